@@ -25,11 +25,8 @@ class GenerationResult:
     steps: list[StepRecord] = field(default_factory=list)
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0  # wall clock of the whole call, prefill included
+    num_target_forwards: int = 0  # prefill + verify steps (plain decoding: one per token)
     stop_reason: str = ""  # "eos", "stop_string", "max_new_tokens" or "max_length"
-
-    @property
-    def num_target_forwards(self) -> int:
-        return 1 + len(self.steps)
 
 
 def summarize(results: Iterable[GenerationResult]) -> dict:

@@ -213,5 +213,6 @@ def speculative_generate(
             )
         )
 
+    result.num_target_forwards = 1 + len(result.steps)
     result.total_seconds = perf_counter() - started
     return result

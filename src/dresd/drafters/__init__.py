@@ -6,4 +6,21 @@ from dresd.drafters.base import Draft, DraftContext, Drafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.none import NoDrafter
 
-__all__ = ["Draft", "DraftContext", "Drafter", "NoDrafter", "PromptLookupDrafter"]
+# method name -> drafter class; each takes its own keyword options
+DRAFTERS: dict[str, type] = {
+    "none": NoDrafter,
+    "pld": PromptLookupDrafter,
+}
+
+
+def make_drafter(method: str, **options) -> Drafter:
+    """The drafter for `method`, built with the options that apply to it (None = default)."""
+    if method not in DRAFTERS:
+        raise ValueError(f"unknown method {method!r}; choose from ar, {', '.join(DRAFTERS)}")
+    cls = DRAFTERS[method]
+    fields = getattr(cls, "__dataclass_fields__", {})
+    return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
+
+
+__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "NoDrafter", "PromptLookupDrafter",
+           "make_drafter"]

@@ -1,0 +1,223 @@
+"""The `dresd` command: generate, demo, fetch-model.
+
+Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
+ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dresd.decoding import SamplingConfig
+from dresd.drafters import DRAFTERS
+from dresd.metrics import GenerationResult, summarize
+from dresd.models import DEFAULT_MODEL, ModelError, ensure_default_model, load_target
+from dresd.prompts import encode_prompt
+from dresd.runner import AR, GenerationSettings, MethodRunner
+
+METHODS = [AR, *DRAFTERS]
+
+
+class UserError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (UserError, ModelError, ValueError, FileNotFoundError) as err:
+        print(f"dresd: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dresd: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dresd", description="Lossless speculative decoding by dense retrieval (DReSD)."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text with one method")
+    _add_model_options(gen)
+    gen.add_argument("--method", choices=METHODS, default="pld",
+                     help="ar: transformers generate; none: plain decoding in the speculative "
+                          "loop; pld: prompt lookup (default)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", type=Path,
+                        help="a text file (one prompt) or a .jsonl file (one prompt per line)")
+    gen.add_argument("--prompt-field", default="prompt", help="field of a .jsonl prompt file")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = commands.add_parser("demo", help="AR, plain loop and PLD side by side on real prompts")
+    _add_model_options(demo)
+    demo.add_argument("--limit", type=int, default=4, help="HumanEval prompts to use")
+    demo.set_defaults(func=cmd_demo, max_new_tokens=96)
+
+    fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
+    fetch.set_defaults(func=cmd_fetch_model)
+    return parser
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Hugging Face id, local folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="tokenize prompts as raw text instead of a chat turn")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    p.add_argument("--pld-max-ngram", type=int, default=None, dest="max_ngram")
+    p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
+    p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
+    p.add_argument("--num-drafts", type=int, default=None, help="drafts per step")
+
+
+def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
+        raise UserError("--top-p and --top-k apply to sampling: also give --temperature > 0")
+    sampling = None
+    if args.temperature > 0:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
+
+
+def drafter_options(args: argparse.Namespace) -> dict:
+    return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
+                num_drafts=args.num_drafts)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path: Path = args.prompt_file
+    if not path.is_file():
+        raise UserError(f"prompt file {path} does not exist")
+    if path.suffix != ".jsonl":
+        return [path.read_text(encoding="utf-8")]
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)[args.prompt_field])
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"{path}:{number}: no {args.prompt_field!r} field ({err})") from err
+    if not prompts:
+        raise UserError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
+    """The JSON object printed for one prompt."""
+    figures = summarize([result])
+    record = {
+        "method": runner.method,
+        "model": runner.target.name,
+        "text": runner.target.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "token_ids": result.token_ids,
+        "num_new_tokens": figures["num_new_tokens"],
+        "tokens_per_s": figures["tokens_per_s"],
+        "seconds": figures["seconds"],
+        "threads": torch.get_num_threads(),
+    }
+    if runner.method != AR:
+        keys = ["mean_accepted_length", "acceptance_rate", "num_target_forwards",
+                "per_position_acceptance", "drafted_tokens_per_step", "draft_time_share",
+                "verify_time_share"]
+        record.update({key: figures[key] for key in keys}, stop_reason=result.stop_reason)
+    return record
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    prompts = read_prompts(args)  # before loading the model: bad input fails fast
+    for prompt in prompts:
+        if not prompt.strip():
+            raise UserError("the prompt is empty")
+    target = load_target(args.model)
+    runner = MethodRunner(target, args.method, settings, **drafter_options(args))
+    for prompt in prompts:
+        result = runner.generate(encode_prompt(target.tokenizer, prompt, not args.no_chat_template))
+        record = result_record(runner, result)
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            print(record["text"])
+            print(_figure_line(record), file=sys.stderr)
+    return 0
+
+
+def _figure_line(record: dict) -> str:
+    line = (f"[{record['method']}] {record['num_new_tokens']} tokens, "
+            f"{record['tokens_per_s']:.1f} tokens/s, {record['threads']} thread(s)")
+    if record.get("mean_accepted_length") is not None:
+        line += f", mean accepted length {record['mean_accepted_length']:.2f}"
+    if record.get("acceptance_rate") is not None:
+        line += f", acceptance rate {record['acceptance_rate']:.1%}"
+    return line
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dresd.datasets import type_hint_prompts
+
+    settings = settings_from_args(args)
+    target = load_target(args.model)
+    methods = [AR, "none", "pld"]
+    runners = [MethodRunner(target, m, settings, **drafter_options(args)) for m in methods]
+    prompts = type_hint_prompts(args.limit)
+    print(f"dresd demo: {target.name}, {len(prompts)} HumanEval 'add type hints' prompts, "
+          f"{settings.max_new_tokens} new tokens at most, {torch.get_num_threads()} thread(s)")
+    results: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+    warmup = encode_prompt(target.tokenizer, "Hello", not args.no_chat_template)
+    for runner in runners:  # warm-up, untimed: first calls pay for lazy initialisation
+        runner.generate(warmup)
+    for number, prompt in enumerate(prompts, 1):
+        ids = encode_prompt(target.tokenizer, prompt, not args.no_chat_template)
+        for runner in runners:  # interleaved, so that machine drift hits every method alike
+            results[runner.method].append(runner.generate(ids))
+        print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr)
+    reference = results[AR]
+    ar_speed = summarize(reference)["tokens_per_s"]
+    print(f"\n{'method':8} {'tokens/s':>9} {'speedup':>8} {'accepted len':>13} "
+          f"{'acceptance':>11} {'identical':>10}")
+    for method in methods:
+        figures = summarize(results[method])
+        same = sum(r.token_ids == a.token_ids for r, a in zip(results[method], reference))
+        mal = figures["mean_accepted_length"]
+        rate = figures["acceptance_rate"]
+        print(f"{method:8} {figures['tokens_per_s']:9.1f} {figures['tokens_per_s'] / ar_speed:7.2f}x "
+              f"{mal:13.2f} {'-' if rate is None else f'{rate:.1%}':>11} "
+              f"{f'{same}/{len(prompts)}':>10}")
+    return 0
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    print(ensure_default_model())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
