@@ -1,4 +1,4 @@
-"""The `dresd` command: generate, demo, fetch-model.
+"""The `dresd` command: generate, demo, fetch-model, build, inspect.
 
 Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
 ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec
+from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
 from dresd.metrics import GenerationResult, summarize
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, ModelError, ValueError, FileNotFoundError) as err:
+    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, FileNotFoundError,
+            ImportError) as err:
         print(f"dresd: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -66,7 +69,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    build = commands.add_parser("build", help="build a datastore from a corpus")
+    build.add_argument("--kind", choices=["dense"], default="dense",
+                       help="dense: DReSD (hidden-state keys)")
+    build.add_argument("--model", default=DEFAULT_MODEL, help="the target the datastore is for")
+    build.add_argument("--out", type=Path, required=True, help="the datastore folder to create")
+    _add_corpus_options(build)
+    build.add_argument("--pca-dim", type=int, default=64, help="key dimensions (default 64)")
+    build.add_argument("--value-len", type=int, default=20,
+                       help="tokens stored after each position (default 20)")
+    build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
+                       help="auto: exact search for small stores, FAISS IVF above")
+    build.add_argument("--recall-target", type=float, default=0.9,
+                       help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
+    build.add_argument("--chunk-tokens", type=int, default=65_536,
+                       help="corpus tokens per resumable chunk")
+    build.add_argument("--batch-tokens", type=int, default=8_192,
+                       help="padded tokens per forward (lower it if memory is short)")
+    build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.set_defaults(func=cmd_build)
+
+    inspect = commands.add_parser("inspect", help="what a datastore holds")
+    inspect.add_argument("datastore", type=Path)
+    inspect.add_argument("--verify", action="store_true", help="check every file's sha256")
+    inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
+    inspect.set_defaults(func=cmd_inspect)
     return parser
+
+
+def _add_corpus_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", action="append", required=True,
+                   help="a .jsonl file, a text file, a folder (source tree) or 'stdlib' "
+                        "(repeatable)")
+    p.add_argument("--prompt-field", default="prompt",
+                   help="JSON Lines prompt field ('' for none: the response field is plain text)")
+    p.add_argument("--response-field", default="response", help="JSON Lines response field")
+    p.add_argument("--format", choices=FORMATS, default="chat",
+                   help="chat: the tokenizer's chat template (default); qa: the paper's "
+                        "'Question: ...\\nAnswer:\\n'")
+    p.add_argument("--keys", choices=KEY_POSITIONS, default="all",
+                   help="key positions: all (default, as the authors) or response only")
+    p.add_argument("--glob", default="*.py", help="files read from a folder (default *.py)")
+    p.add_argument("--max-doc-tokens", type=int, default=1024,
+                   help="longer documents are cut into pieces of this many tokens")
+    p.add_argument("--limit", type=int, default=None, help="read at most this many documents")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -217,6 +265,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     print(ensure_default_model())
     return 0
+
+
+def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
+    return CorpusSpec(sources=args.corpus, prompt_field=args.prompt_field or None,
+                      response_field=args.response_field, format=args.format, keys=args.keys,
+                      tree_glob=args.glob, max_tokens=args.max_doc_tokens, limit=args.limit)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from dresd.datastore.dense import DenseBuildConfig, build_dense
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    spec = corpus_spec_from_args(args)
+    config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
+                              recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
+                              batch_tokens=args.batch_tokens)
+    target = load_target(args.model)
+    out = build_dense(target, spec, args.out, config, progress=not args.quiet)
+    print(out)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from dresd.datastore.inspect import describe, format_description
+
+    figures = describe(args.datastore, verify=args.verify)
+    print(json.dumps(figures, indent=2) if args.json else format_description(figures))
+    return 0 if not figures.get("corrupt_files") else 1
 
 
 if __name__ == "__main__":
