@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     gen.add_argument("--method", choices=METHODS, default="pld",
                      help="ar: transformers generate; none: plain decoding in the speculative "
-                          "loop; pld: prompt lookup (default)")
+                          "loop; pld: prompt lookup (default); dresd: dense retrieval "
+                          "(needs --datastore)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path,
@@ -90,6 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
+
+    corpus = commands.add_parser("corpus", help="corpus tools")
+    corpus_commands = corpus.add_subparsers(dest="corpus_command", required=True)
+    regen = corpus_commands.add_parser(
+        "regenerate", help="the target's own responses to a corpus's prompts (an ID corpus)")
+    regen.add_argument("--model", default=DEFAULT_MODEL, help="the target that responds")
+    regen.add_argument("--corpus", type=Path, required=True, help="a .jsonl file of prompts")
+    regen.add_argument("--out", type=Path, required=True,
+                       help="the .jsonl file written (appended to, and resumed, if it exists)")
+    regen.add_argument("--prompt-field", default="prompt")
+    regen.add_argument("--response-field", default="response", help="the field written")
+    regen.add_argument("--format", choices=FORMATS, default="chat")
+    regen.add_argument("--max-new-tokens", type=int, default=256)
+    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    regen.add_argument("--quiet", action="store_true", help="no progress bar")
+    regen.set_defaults(func=cmd_regenerate)
 
     inspect = commands.add_parser("inspect", help="what a datastore holds")
     inspect.add_argument("datastore", type=Path)
@@ -133,6 +154,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
     p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
     p.add_argument("--num-drafts", type=int, default=None, help="drafts per step")
+    p.add_argument("--datastore", type=Path, default=None,
+                   help="dresd: the dense datastore folder (built with `dresd build`)")
+    p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 50)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -154,7 +178,8 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
 
 def drafter_options(args: argparse.Namespace) -> dict:
     return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                num_drafts=args.num_drafts)
+                len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
+                datastore=str(args.datastore) if args.datastore else None)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -201,6 +226,8 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.method == "dresd" and args.datastore is None:
+        raise UserError("--method dresd needs --datastore DIR (build one with `dresd build`)")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():
@@ -285,6 +312,25 @@ def cmd_build(args: argparse.Namespace) -> int:
     target = load_target(args.model)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet)
     print(out)
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dresd.regenerate import RegenerateConfig, regenerate
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+    if not args.corpus.is_file():
+        raise UserError(f"corpus file {args.corpus} does not exist")
+    config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
+                              format=args.format, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.batch_size, temperature=args.temperature,
+                              seed=args.seed, limit=args.limit)
+    target = load_target(args.model)
+    rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
+    print(f"{args.out}: {rows} responses")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dresd.drafters.base import Draft, DraftContext, Drafter
+from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.none import NoDrafter
 
@@ -10,6 +11,7 @@ from dresd.drafters.none import NoDrafter
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "pld": PromptLookupDrafter,
+    "dresd": DenseDrafter,  # needs datastore=DIR
 }
 
 
@@ -22,5 +24,5 @@ def make_drafter(method: str, **options) -> Drafter:
     return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
 
 
-__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "NoDrafter", "PromptLookupDrafter",
-           "make_drafter"]
+__all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "Drafter", "NoDrafter",
+           "PromptLookupDrafter", "make_drafter"]
