@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 
 from dresd.cli import main
 from dresd.corpus import CorpusError, CorpusSpec, encode_prompt
@@ -22,7 +23,6 @@ from dresd.drafters import DenseDrafter, DraftContext
 from dresd.models import Target
 from dresd.regenerate import RegenerateConfig, regenerate
 from dresd.runner import AR, GenerationSettings, MethodRunner
-from tests.conftest import tiny_model
 
 PROMPTS = [
     "Write a short poem about the sea.",
