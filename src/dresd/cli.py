@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-tokens", type=int, default=8_192,
                        help="padded tokens per forward (lower it if memory is short)")
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--device", default="cpu",
+                       help="where the target runs the forward: cpu (default), cuda, cuda:1 ...")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
 
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    regen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 ...")
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
     regen.set_defaults(func=cmd_regenerate)
 
@@ -312,6 +315,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens)
     target = load_target(args.model)
+    target.model.to(args.device)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet)
     print(out)
     return 0
@@ -331,6 +335,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               batch_size=args.batch_size, temperature=args.temperature,
                               seed=args.seed, limit=args.limit)
     target = load_target(args.model)
+    target.model.to(args.device)
     rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
     print(f"{args.out}: {rows} responses")
     return 0

@@ -88,7 +88,9 @@ def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig
             for i, p in enumerate(prompts):
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
-            output = model.generate(ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+            device = next(model.parameters()).device
+            output = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                    max_new_tokens=config.max_new_tokens,
                                     eos_token_id=eos or None, pad_token_id=pad_id, **options)
             for row, new in zip(batch, output[:, width:].tolist(), strict=True):
                 if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)

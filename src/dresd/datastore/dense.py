@@ -126,6 +126,7 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
     """Yield (document index, key states [num_keys, d] float32) for `docs` (sorted by length),
     forwarding right-padded batches of at most `batch_tokens` padded tokens."""
     decoder = model.base_model  # the LM head is not needed: states only
+    device = next(model.parameters()).device
     start = 0
     while start < len(docs):
         end = start + 1  # grow the batch while (docs so far) x (longest) fits the budget
@@ -138,9 +139,9 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
         for row, doc in enumerate(batch):
             ids[row, : len(doc.ids)] = torch.tensor(doc.ids)
             mask[row, : len(doc.ids)] = 1
-        states = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        states = decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for row, doc in enumerate(batch):
-            yield start + row, states[row, doc.key_start : len(doc.ids) - 1].float()
+            yield start + row, states[row, doc.key_start : len(doc.ids) - 1].float().cpu()
         start = end
 
 
