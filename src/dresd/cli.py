@@ -1,4 +1,4 @@
-"""The `dresd` command: generate, demo, fetch-model.
+"""The `dresd` command: generate, bench, demo, fetch-model.
 
 Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
 ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
@@ -16,7 +16,7 @@ import torch
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
 from dresd.metrics import GenerationResult, summarize
-from dresd.models import DEFAULT_MODEL, ModelError, ensure_default_model, load_target
+from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
@@ -59,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
+    bench = commands.add_parser("bench", help="every method side by side on real prompts")
+    _add_model_options(bench)
+    bench.add_argument("--methods", default="ar,pld",
+                       help=f"comma-separated, from {', '.join(METHODS)} (ar is always run: "
+                            "it is the reference)")
+    bench.add_argument("--dataset", action="append", required=True,
+                       help="humaneval, humaneval-typehints, gsm8k, mt_bench or a .jsonl file "
+                            "(repeatable)")
+    bench.add_argument("--prompt-field", default="prompt", help="field of a .jsonl dataset")
+    bench.add_argument("--category-field", default="category",
+                       help="optional category field of a .jsonl dataset")
+    bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
+    bench.set_defaults(func=cmd_bench)
+
     demo = commands.add_parser("demo", help="AR, plain loop and PLD side by side on real prompts")
     _add_model_options(demo)
     demo.add_argument("--limit", type=int, default=4, help="HumanEval prompts to use")
@@ -85,6 +100,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
     p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
     p.add_argument("--num-drafts", type=int, default=None, help="drafts per step")
+    p.add_argument("--draft-model", default=None,
+                   help="small model for --method draft (must share the target's tokenizer)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -104,9 +121,18 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
 
 
-def drafter_options(args: argparse.Namespace) -> dict:
-    return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                num_drafts=args.num_drafts)
+def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]) -> dict:
+    options = dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
+                   num_drafts=args.num_drafts)
+    if "draft" in methods:
+        if args.draft_model is None:
+            raise UserError("--method draft needs --draft-model")
+        draft = load_target(args.draft_model)
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise UserError(f"the draft model {args.draft_model!r} does not share the "
+                            f"tokenizer of the target {args.model!r}")
+        options["model"] = draft.model
+    return options
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -158,7 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not prompt.strip():
             raise UserError("the prompt is empty")
     target = load_target(args.model)
-    runner = MethodRunner(target, args.method, settings, **drafter_options(args))
+    options = drafter_options(args, target, [args.method])
+    runner = MethodRunner(target, args.method, settings, **options)
     for prompt in prompts:
         result = runner.generate(encode_prompt(target.tokenizer, prompt, not args.no_chat_template))
         record = result_record(runner, result)
@@ -186,7 +213,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     target = load_target(args.model)
     methods = [AR, "none", "pld"]
-    runners = [MethodRunner(target, m, settings, **drafter_options(args)) for m in methods]
+    options = drafter_options(args, target, methods)
+    runners = [MethodRunner(target, m, settings, **options) for m in methods]
     prompts = type_hint_prompts(args.limit)
     print(f"dresd demo: {target.name}, {len(prompts)} HumanEval 'add type hints' prompts, "
           f"{settings.max_new_tokens} new tokens at most, {torch.get_num_threads()} thread(s)")
@@ -213,6 +241,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"{method:8} {figures['tokens_per_s']:9.1f} {speedup:7.2f}x "
               f"{mal:13.2f} {'-' if rate is None else f'{rate:.1%}':>11} "
               f"{f'{same}/{len(prompts)}':>10}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import datetime
+    import platform
+
+    import transformers
+
+    from dresd.bench.report import build_report, markdown_table, write_report
+    from dresd.bench.runner import run_bench
+    from dresd.datasets import load_prompts
+
+    settings = settings_from_args(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    methods = [AR] + [m for m in methods if m != AR]
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    prompts = [p for name in args.dataset
+               for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
+    target = load_target(args.model)
+    options = drafter_options(args, target, methods)
+    runners = [MethodRunner(target, m, settings, **options) for m in methods]
+    prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
+                  for p in prompts]
+    meta = {
+        "model": target.name,
+        "methods": methods,
+        "datasets": args.dataset,
+        "prompts": len(prompts),
+        "max_new_tokens": settings.max_new_tokens,
+        "sampling": "greedy" if settings.sampling is None else vars(settings.sampling),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    records, interrupted = run_bench(runners, prompts, prompt_ids)
+    meta["interrupted"] = interrupted
+    report = build_report(records, methods, meta)
+    write_report(report, records, args.out)
+    print("\n".join(markdown_table(report["methods"])))
+    print(f"\nreport: {args.out / 'report.md'}")
+    if interrupted:
+        print("dresd: interrupted; the report covers the prompts that finished", file=sys.stderr)
+        return 130
     return 0
 
 
