@@ -1,0 +1,1 @@
+"""Datastores that retrieval drafters search: sparse.py (suffix array, for REST)."""
