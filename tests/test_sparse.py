@@ -4,22 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from corpus_helpers import SEP, concat, random_docs
 
 from dresd.datastore.sparse import SparseIndex, build_sparse
-
-SEP = -1  # the brute-force stream's document separator: below every token id, like symbol 0
-
-
-def concat(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(token stream, document offsets) as `build_sparse` takes them."""
-    tokens = np.array([t for doc in docs for t in doc], dtype=np.int64)
-    offsets = np.cumsum([0] + [len(doc) for doc in docs])
-    return tokens, offsets
-
-
-def random_docs(rng: np.random.Generator, ids: np.ndarray, num_docs: int, max_len: int,
-                ) -> list[list[int]]:
-    return [rng.choice(ids, size=rng.integers(0, max_len + 1)).tolist() for _ in range(num_docs)]
 
 
 def brute_force_suffix_order(docs: list[list[int]], key_len: int | None = None) -> list[int]:

@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     gen.add_argument("--method", choices=METHODS, default="pld",
                      help="ar: transformers generate; none: plain decoding in the speculative "
-                          "loop; pld: prompt lookup (default)")
+                          "loop; pld: prompt lookup (default); rest: REST's sparse retrieval "
+                          "(needs --datastore)")
+    gen.add_argument("--datastore", type=Path, default=None,
+                     help="datastore folder that retrieval methods search (rest: its sparse index)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path,
@@ -106,7 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
 
 def drafter_options(args: argparse.Namespace) -> dict:
     return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                num_drafts=args.num_drafts)
+                num_drafts=args.num_drafts, datastore=getattr(args, "datastore", None))
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -154,6 +157,8 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
+    if args.method == "rest" and args.datastore is None:
+        raise UserError("--method rest needs --datastore DIR (a folder built with a sparse index)")
     for prompt in prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dresd.drafters.base import Draft, DraftContext, Drafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.none import NoDrafter
+from dresd.drafters.rest import RestDrafter
 
 # method name -> drafter class; each takes its own keyword options
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "pld": PromptLookupDrafter,
+    "rest": RestDrafter,
 }
 
 
@@ -23,4 +25,4 @@ def make_drafter(method: str, **options) -> Drafter:
 
 
 __all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "NoDrafter", "PromptLookupDrafter",
-           "make_drafter"]
+           "RestDrafter", "make_drafter"]

@@ -1,0 +1,117 @@
+"""REST, retrieval-based speculative decoding (He et al., NAACL 2024): the sparse baseline.
+
+At each step, with c the context (prompt + output so far, ending with the bonus token):
+
+1. For n = max_suffix, ..., min_suffix (16 down to 2), look up the last n tokens of c in the
+   corpus' suffix array. The first n with at least one match wins; none: no drafts.
+2. The first `max_matches` (k = 5000) matches in suffix-array order (REST takes them in that
+   order too) each give a continuation: the up to `draft_len` (10) corpus tokens after the match,
+   cut at the end of its document.
+3. Every prefix of every continuation is counted: count(p) = number of continuations starting
+   with p.
+4. The `max_tree_nodes` (64) prefixes ranked first by (count descending, length ascending,
+   token ids lexicographically ascending) are kept. count(p) >= count(p + [t]) and a prefix is
+   shorter than its extensions, so every kept prefix's own prefixes rank before it and are kept:
+   the kept prefixes form a trie, the draft tree. (REST breaks ties at the cut-off in hash-map
+   order; the stated order makes the tree deterministic.)
+5. The drafts are the kept prefixes that no other kept prefix extends (the trie's leaves), in
+   rank order; the engine merges them back into the same trie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dresd.datastore.sparse import SparseIndex
+from dresd.drafters.base import Draft, DraftContext
+
+
+@dataclass
+class RestDrafter:
+    datastore: SparseIndex | str | Path | None = None  # the index, or its folder
+    max_suffix: int = 16  # longest context suffix looked up
+    min_suffix: int = 2  # shortest context suffix looked up
+    max_matches: int = 5000  # k: continuations taken from the first matches in suffix order
+    draft_len: int = 10  # tokens per continuation
+    max_tree_nodes: int = 64  # draft-tree nodes kept (root not counted)
+    name: str = "rest"
+
+    def __post_init__(self) -> None:
+        if self.datastore is None:
+            raise ValueError("REST needs a sparse datastore (--datastore DIR)")
+        if not isinstance(self.datastore, SparseIndex):
+            self.datastore = open_sparse_index(self.datastore)
+        if not 1 <= self.min_suffix <= self.max_suffix:
+            raise ValueError("REST needs 1 <= min_suffix <= max_suffix")
+        if self.max_matches < 1 or self.draft_len < 1 or self.max_tree_nodes < 1:
+            raise ValueError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
+
+    def propose(self, context: DraftContext) -> list[Draft]:
+        draft_len = min(self.draft_len, context.max_draft_len)
+        if draft_len < 1:
+            return []
+        index: SparseIndex = self.datastore
+        tail = index.to_symbols(context.token_ids[-self.max_suffix :])
+        # A token the corpus never has cannot be inside a match: look only after the last one.
+        unknown = np.flatnonzero(tail < 0)
+        longest = len(tail) - (unknown[-1] + 1 if len(unknown) else 0)
+        for n in range(longest, self.min_suffix - 1, -1):
+            lo, hi = index.match_rows(tail[-n:])
+            if hi > lo:
+                hi = min(hi, lo + self.max_matches)
+                continuations = index.continuations(lo, hi, skip=n, length=draft_len)
+                return [index.to_token_ids(d).tolist()
+                        for d in most_frequent_prefixes(continuations, self.max_tree_nodes)]
+        return []
+
+
+def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np.ndarray]:
+    """The leaves of the trie of the `max_nodes` most frequent prefixes of `continuations`.
+
+    `continuations`: int [m, L], rows sorted lexicographically, each row's tokens positive and
+    followed by zeros (row i has length len_i = number of non-zero entries, at least 1).
+    Prefixes are ranked by (count descending, length ascending, tokens ascending); see the module
+    docstring. Returns the kept prefixes that no kept prefix extends, in rank order.
+
+    Sorted rows make the trie explicit: the rows that share a prefix p of length d are a run of
+    consecutive rows, so the nodes at depth d are the runs of rows with len_i >= d between the
+    places where lcp(row i-1, row i) < d, and count(p) is the run's length.
+    """
+    m, width = continuations.shape
+    lengths = (continuations != 0).sum(axis=1)
+    differs = continuations[1:] != continuations[:-1]
+    # lcp[i] = common prefix length of rows i-1 and i (lcp[0] = 0: row 0 starts every run).
+    lcp = np.concatenate([[0], np.where(differs.any(axis=1), differs.argmax(axis=1), width)])
+
+    node_depth, node_row, node_count = [], [], []
+    for depth in range(1, width + 1):
+        run_starts = np.flatnonzero(lcp < depth)
+        run_sizes = np.diff(np.append(run_starts, m))
+        real = lengths[run_starts] >= depth  # a run of rows that end before `depth` is no node
+        node_depth.append(np.full(int(real.sum()), depth))
+        node_row.append(run_starts[real])
+        node_count.append(run_sizes[real])
+    depth, row, count = (np.concatenate(a) for a in (node_depth, node_row, node_count))
+    # Within one depth, rows are sorted, so the first row of a run orders the prefixes by tokens.
+    kept = np.lexsort((row, depth, -count))[:max_nodes]
+
+    # A kept node is a leaf of the kept trie when no kept node one deeper starts in its run.
+    kd, kr, kc = depth[kept], row[kept], count[kept]
+    child = (kd[None, :] == kd[:, None] + 1) & (kr[None, :] >= kr[:, None]) & (
+        kr[None, :] < (kr + kc)[:, None])
+    leaves = [continuations[r, :d] for d, r, has_child in zip(kd, kr, child.any(axis=1),
+                                                              strict=True) if not has_child]
+    return leaves
+
+
+def open_sparse_index(folder: str | Path) -> SparseIndex:
+    """The sparse index in `folder`, or in its `sparse/` subfolder (a datastore folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"datastore folder {folder} does not exist")
+    if (folder / "sparse").is_dir():
+        folder = folder / "sparse"
+    return SparseIndex.open(folder)
