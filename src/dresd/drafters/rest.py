@@ -95,8 +95,18 @@ def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np
         node_row.append(run_starts[real])
         node_count.append(run_sizes[real])
     depth, row, count = (np.concatenate(a) for a in (node_depth, node_row, node_count))
-    # Within one depth, rows are sorted, so the first row of a run orders the prefixes by tokens.
-    kept = np.lexsort((row, depth, -count))[:max_nodes]
+    # The nodes are listed by depth, then by first row, which within one depth is token order:
+    # the tie-break order already. So the ranking is a stable sort by count, of which only the
+    # first max_nodes are needed: those above the max_nodes-th largest count, then the first
+    # nodes listed at that count.
+    if len(count) > max_nodes:
+        threshold = np.partition(count, len(count) - max_nodes)[len(count) - max_nodes]
+        above = np.flatnonzero(count > threshold)
+        at = np.flatnonzero(count == threshold)[: max_nodes - len(above)]
+        candidates = np.concatenate([above, at])
+    else:
+        candidates = np.arange(len(count))
+    kept = candidates[np.argsort(-count[candidates], kind="stable")]
 
     # A kept node is a leaf of the kept trie when no kept node one deeper starts in its run.
     kd, kr, kc = depth[kept], row[kept], count[kept]
