@@ -140,7 +140,8 @@ def resolve_model_path(name: str) -> str:
 def load_target(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> Target:
     """Load a causal LM and its tokenizer from `default`, a local folder or a Hub id."""
     path = resolve_model_path(name)
-    looks_local = os.path.sep in name or name.startswith(".") or Path(name).exists()
+    # "org/name" is a Hub id; an absolute, relative or home path is a folder.
+    looks_local = name.startswith(("/", ".", "~")) or Path(name).exists()
     if looks_local and not Path(path).is_dir():
         raise ModelError(f"Model folder {name!r} does not exist.")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dresd.drafters.base import Draft, DraftContext, Drafter
+from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.none import NoDrafter
 from dresd.drafters.rest import RestDrafter
@@ -11,7 +12,8 @@ from dresd.drafters.rest import RestDrafter
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "pld": PromptLookupDrafter,
-    "rest": RestDrafter,
+    "dresd": DenseDrafter,  # needs datastore=DIR
+    "rest": RestDrafter,  # needs datastore=DIR
 }
 
 
@@ -24,5 +26,5 @@ def make_drafter(method: str, **options) -> Drafter:
     return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
 
 
-__all__ = ["DRAFTERS", "Draft", "DraftContext", "Drafter", "NoDrafter", "PromptLookupDrafter",
-           "RestDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "Drafter", "NoDrafter",
+           "PromptLookupDrafter", "RestDrafter", "make_drafter"]
