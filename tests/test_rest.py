@@ -151,8 +151,8 @@ def test_no_drafts_without_a_match(tmp_path):
 
 
 def test_make_drafter_opens_a_folder(tmp_path):
-    build_sparse(*concat([[1, 2, 3, 4]]), tmp_path / "store" / "sparse")
-    drafter = make_drafter("rest", datastore=tmp_path / "store", draft_len=1)
+    build_sparse(*concat([[1, 2, 3, 4]]), tmp_path / "store")
+    drafter = make_drafter("rest", datastore=str(tmp_path / "store"), draft_len=1)
     assert drafter.propose(DraftContext(np.array([1, 2]), torch.zeros(1), 10)) == [[3]]
     with pytest.raises(ValueError, match="datastore"):
         make_drafter("rest")

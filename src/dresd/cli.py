@@ -23,6 +23,7 @@ from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
 METHODS = [AR, *DRAFTERS]
+BUILD_KINDS = ["dense", "sparse", "dense,sparse"]
 
 
 class UserError(Exception):
@@ -72,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch_model)
 
     build = commands.add_parser("build", help="build a datastore from a corpus")
-    build.add_argument("--kind", choices=["dense"], default="dense",
-                       help="dense: DReSD (hidden-state keys)")
+    build.add_argument("--kind", choices=BUILD_KINDS, default="dense",
+                       help="dense: DReSD (hidden-state keys); sparse: REST (suffix array of "
+                            "the token ids); dense,sparse: both from one pass, in one folder")
     build.add_argument("--model", default=DEFAULT_MODEL, help="the target the datastore is for")
     build.add_argument("--out", type=Path, required=True, help="the datastore folder to create")
     _add_corpus_options(build)
@@ -303,15 +305,22 @@ def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from dresd.datastore.dense import DenseBuildConfig, build_dense
+    from dresd.datastore.sparse_store import build_sparse_datastore
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     spec = corpus_spec_from_args(args)
+    if args.kind == "sparse":  # no forward pass: the dense options do not apply
+        out = build_sparse_datastore(load_target(args.model), spec, args.out,
+                                     progress=not args.quiet)
+        print(out)
+        return 0
     config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens)
     target = load_target(args.model)
-    out = build_dense(target, spec, args.out, config, progress=not args.quiet)
+    out = build_dense(target, spec, args.out, config, progress=not args.quiet,
+                      with_sparse=args.kind == "dense,sparse")
     print(out)
     return 0
 

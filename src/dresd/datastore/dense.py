@@ -50,6 +50,8 @@ from dresd.datastore.format import (
     save_npy_atomic,
     tokenizer_fingerprint,
 )
+from dresd.datastore.sparse_store import KIND as SPARSE_KIND
+from dresd.datastore.sparse_store import kinds, write_sparse_part
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.models import Target
 
@@ -145,12 +147,16 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
 
 
 def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
-                config: DenseBuildConfig | None = None, progress: bool = True) -> Path:
+                config: DenseBuildConfig | None = None, progress: bool = True,
+                with_sparse: bool = False) -> Path:
     """Build a dense datastore for `target` from the corpus `spec` into `out`; returns `out`.
 
-    Resumes an unfinished build of the same plan in `out.partial`.
+    Resumes an unfinished build of the same plan in `out.partial`. With `with_sparse`, the
+    same documents' suffix array (REST's sparse part, sparse_store.py) goes into the same
+    folder, whose kind is then "dense,sparse".
     """
     config = config or DenseBuildConfig()
+    kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
     model, tokenizer = target.model, target.tokenizer
     docs = tokenize_corpus(tokenizer, spec)
     total_keys = sum(d.num_keys for d in docs)
@@ -164,7 +170,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     fingerprints = {"model": target.name, "model_fingerprint": model_fingerprint(model),
                     "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     spec_fields = {k: v for k, v in asdict(spec).items() if k != "sources"}
-    plan = {"kind": KIND, **fingerprints, "corpus": corpus_fingerprint(spec),
+    plan = {"kind": kind, **fingerprints, "corpus": corpus_fingerprint(spec),
             "corpus_spec": spec_fields, "config": asdict(config)}
     build = AtomicBuild(out)
     build.start(plan)
@@ -258,13 +264,17 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     index_settings = key_index.build_index(index_kind, keys, build.dir, config.recall_target)
     files = [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE]
     files += key_index.index_files(index_kind, build.dir)
+    sparse_settings = {}
+    if with_sparse:
+        sparse_files, sparse_settings = write_sparse_part(stream, doc_starts, build.dir)
+        files += sparse_files
     del keys
     if index_kind != "exact" and not config.keep_keys:
         keys_path.unlink()  # the index holds the keys: do not store them twice
     elif key_index.KEYS_FILE not in files:
         files.append(key_index.KEYS_FILE)
     manifest = Manifest(
-        kind=KIND, model=target.name, model_fingerprint=fingerprints["model_fingerprint"],
+        kind=kind, model=target.name, model_fingerprint=fingerprints["model_fingerprint"],
         tokenizer_fingerprint=fingerprints["tokenizer_fingerprint"],
         vocab_size=model.config.vocab_size, num_entries=total_keys,
         num_corpus_tokens=stream_len, num_documents=len(docs), corpus=plan["corpus"],
@@ -274,7 +284,8 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
                   "transform_sample": int(sum(docs[n].num_keys for c in chunks if c.fit
                                               for n in c.docs)),
                   "pca_explained_variance": transform.explained,
-                  "corpus_spec": spec_fields, **index_settings},
+                  "corpus_spec": spec_fields, **index_settings,
+                  **({"sparse": sparse_settings} if with_sparse else {})},
     )
     return build.finish(manifest, files)
 
@@ -285,7 +296,7 @@ class DenseDatastore:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
-        if self.manifest.kind != KIND:
+        if KIND not in kinds(self.manifest):
             raise ValueError(f"{self.folder} is a {self.manifest.kind} datastore, not a dense one")
         self.settings = self.manifest.settings
         self.transform = KeyTransform.load(self.folder / TRANSFORM_FILE)

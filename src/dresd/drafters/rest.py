@@ -20,34 +20,44 @@ At each step, with c the context (prompt + output so far, ending with the bonus 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from dresd.datastore.format import Manifest
 from dresd.datastore.sparse import SparseIndex
+from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datastore
 from dresd.drafters.base import Draft, DraftContext
+from dresd.models import Target
 
 
 @dataclass
 class RestDrafter:
-    datastore: SparseIndex | str | Path | None = None  # the index, or its folder
+    datastore: SparseIndex | str | Path | None = None  # the index, or a datastore folder
     max_suffix: int = 16  # longest context suffix looked up
     min_suffix: int = 2  # shortest context suffix looked up
     max_matches: int = 5000  # k: continuations taken from the first matches in suffix order
     draft_len: int = 10  # tokens per continuation
     max_tree_nodes: int = 64  # draft-tree nodes kept (root not counted)
     name: str = "rest"
+    manifest: Manifest | None = field(default=None, init=False, repr=False)  # None: bare index
+    folder: str | Path | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.datastore is None:
             raise ValueError("REST needs a sparse datastore (--datastore DIR)")
         if not isinstance(self.datastore, SparseIndex):
-            self.datastore = open_sparse_index(self.datastore)
+            self.folder = self.datastore
+            self.datastore, self.manifest = open_sparse_datastore(self.datastore)
         if not 1 <= self.min_suffix <= self.max_suffix:
             raise ValueError("REST needs 1 <= min_suffix <= max_suffix")
         if self.max_matches < 1 or self.draft_len < 1 or self.max_tree_nodes < 1:
             raise ValueError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
+
+    def check_target(self, target: Target) -> None:
+        """Refuse a target whose tokenizer did not build the datastore (the runner calls this)."""
+        check_sparse_target(self.manifest, target, self.folder or "the datastore")
 
     def propose(self, context: DraftContext) -> list[Draft]:
         draft_len = min(self.draft_len, context.max_draft_len)
@@ -116,12 +126,3 @@ def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np
                                                               strict=True) if not has_child]
     return leaves
 
-
-def open_sparse_index(folder: str | Path) -> SparseIndex:
-    """The sparse index in `folder`, or in its `sparse/` subfolder (a datastore folder)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"datastore folder {folder} does not exist")
-    if (folder / "sparse").is_dir():
-        folder = folder / "sparse"
-    return SparseIndex.open(folder)
