@@ -154,11 +154,10 @@ class SparseIndex:
     def to_symbols(self, token_ids: np.ndarray) -> np.ndarray:
         """Symbols of `token_ids`; ids that never occur in the corpus become -1."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        ranks = np.searchsorted(self.alphabet, token_ids)
-        ranks = np.minimum(ranks, len(self.alphabet) - 1)
-        known = self.alphabet[ranks] == token_ids if len(self.alphabet) else np.zeros_like(
-            token_ids, dtype=bool)
-        return np.where(known, ranks + 1, -1)
+        if len(self.alphabet) == 0:
+            return np.full(token_ids.shape, -1, dtype=np.int64)
+        ranks = np.minimum(np.searchsorted(self.alphabet, token_ids), len(self.alphabet) - 1)
+        return np.where(self.alphabet[ranks] == token_ids, ranks + 1, -1)
 
     def to_token_ids(self, symbols: np.ndarray) -> np.ndarray:
         """Token ids of non-zero symbols."""
