@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_VOCAB, tiny_model
 from drafters_for_tests import FixedDrafter, OracleDrafter, RandomTreeDrafter
 from transformers import LlamaForCausalLM
 
-from conftest import TINY_VOCAB, tiny_model
 from dresd.decoding import speculative_generate, supports_tree_attention
 from dresd.drafters import NoDrafter, PromptLookupDrafter
 

@@ -283,10 +283,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{'acceptance':>11} {'identical':>10}")
     for method in methods:
         figures = summarize(results[method])
-        same = sum(r.token_ids == a.token_ids for r, a in zip(results[method], reference))
+        pairs = zip(results[method], reference, strict=True)
+        same = sum(r.token_ids == a.token_ids for r, a in pairs)
         mal = figures["mean_accepted_length"]
         rate = figures["acceptance_rate"]
-        print(f"{method:8} {figures['tokens_per_s']:9.1f} {figures['tokens_per_s'] / ar_speed:7.2f}x "
+        speedup = figures["tokens_per_s"] / ar_speed
+        print(f"{method:8} {figures['tokens_per_s']:9.1f} {speedup:7.2f}x "
               f"{mal:13.2f} {'-' if rate is None else f'{rate:.1%}':>11} "
               f"{f'{same}/{len(prompts)}':>10}")
     return 0

@@ -25,5 +25,6 @@ def _move_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> None:
     index = torch.tensor([prefix_len + node for node in kept_nodes])
     for layer in cache.layers:
         # Entries [prefix_len + k] <- [prefix_len + kept_nodes[k]]; the rest is cut off.
-        layer.keys[..., prefix_len : prefix_len + len(kept_nodes), :] = layer.keys[..., index, :]
-        layer.values[..., prefix_len : prefix_len + len(kept_nodes), :] = layer.values[..., index, :]
+        kept = slice(prefix_len, prefix_len + len(kept_nodes))
+        layer.keys[..., kept, :] = layer.keys[..., index, :]
+        layer.values[..., kept, :] = layer.values[..., index, :]
