@@ -2,8 +2,8 @@
 
 Three backends behind one small interface (`search(queries, k) -> (scores, ids)`):
 
-- `exact`: every key scored by one matrix product; for small stores, where it is fast and
-  has recall 1. Keys live in `keys.npy` (fp16 on disk, float32 in memory for the product).
+- `exact`: every key scored (FAISS flat inner product); for small stores, where it is fast
+  and has recall 1. Keys live in `keys.npy` (fp16 on disk, float32 in memory for the product).
 - `ivf`: FAISS IVF with inner product, ~4*sqrt(N) lists, the keys stored at fp16 inside the
   index (IVF-Flat at half precision: the "flat" codes are the fp16 keys themselves, so the
   keys are not stored twice). `nprobe` is the smallest power of two whose recall@10 against
@@ -30,6 +30,7 @@ IVF_FILE = "index.faiss"
 SCANN_DIR = "scann"
 RECALL_SAMPLE = 200  # queries used to pick nprobe
 RECALL_AT = 10
+TRAIN_PER_LIST = 64  # k-means training points per inverted list
 
 
 class KeyIndex(Protocol):
@@ -48,31 +49,23 @@ def choose_kind(kind: str, num_entries: int) -> str:
 
 
 class ExactIndex:
-    """Brute force: scores = keys @ q for every key; top k by partial sort."""
+    """Brute force: every key scored against the query (FAISS flat inner product, whose SIMD
+    scan with a top-k heap is ~10x faster than a NumPy product and partial sort)."""
 
     def __init__(self, keys: np.ndarray) -> None:
-        self.keys = np.ascontiguousarray(keys, dtype=np.float32)
+        import faiss
+
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        self.index = faiss.IndexFlatIP(keys.shape[1])
+        self.index.add(keys)
 
     @classmethod
     def open(cls, folder: Path) -> ExactIndex:
         return cls(np.load(folder / KEYS_FILE, mmap_mode="r"))
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        queries = np.atleast_2d(np.asarray(queries, dtype=np.float32))
-        scores = queries @ self.keys.T  # [m, N]
-        n = scores.shape[1]
-        kk = min(k, n)
-        top = np.argpartition(-scores, kk - 1, axis=1)[:, :kk] if kk < n else \
-            np.tile(np.arange(n), (len(queries), 1))
-        top_scores = np.take_along_axis(scores, top, axis=1)
-        order = np.argsort(-top_scores, axis=1, kind="stable")
-        ids = np.take_along_axis(top, order, axis=1)
-        out_scores = np.take_along_axis(top_scores, order, axis=1)
-        if kk < k:  # pad like FAISS does
-            pad = k - kk
-            ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-            out_scores = np.pad(out_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-        return out_scores, ids
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        return self.index.search(queries, k)
 
 
 class FaissIndex:
@@ -112,7 +105,9 @@ def build_ivf(keys: np.ndarray, folder: Path, recall_target: float = 0.9,
     index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
                                           faiss.METRIC_INNER_PRODUCT)
     rng = np.random.default_rng(seed)
-    train = keys[np.sort(rng.choice(n, size=min(n, 256 * nlist), replace=False))]
+    # 64 points per list trains k-means well enough (FAISS asks for >= 39) at a quarter of
+    # the cost of FAISS's own cap of 256.
+    train = keys[np.sort(rng.choice(n, size=min(n, TRAIN_PER_LIST * nlist), replace=False))]
     index.train(np.asarray(train, dtype=np.float32))
     for start in range(0, n, 1 << 18):
         index.add(np.asarray(keys[start : start + (1 << 18)], dtype=np.float32))
