@@ -82,6 +82,20 @@ def test_lookup_finds_every_occurrence(tmp_path):
     assert found_any > 50  # the check is not vacuous
 
 
+def test_64_bit_suffix_array_gives_the_same_lookups(tmp_path):
+    """Streams past 2 GiB get an int64 suffix array and libdivsufsort's 64-bit search; the same
+    search on a small stream, with its suffix array widened, must find the same rows."""
+    rng = np.random.default_rng(3)
+    docs = random_docs(rng, np.array([1, 2, 3, 70_000]), num_docs=10, max_len=200)
+    index = build_sparse(*concat(docs), tmp_path)
+    wide = SparseIndex(index.alphabet, index.symbols, index.suffix_array.astype(np.int64),
+                       index.doc_starts)
+    for _ in range(50):
+        query = index.to_symbols(rng.choice([1, 2, 3, 70_000], size=rng.integers(1, 5)))
+        assert wide.match_rows(query) == index.match_rows(query)
+    assert any(index.match_rows(index.to_symbols([1, 2])))
+
+
 def test_lookup_of_ids_the_corpus_lacks(tmp_path):
     index = build_sparse(*concat([[5, 6, 5, 6, 7], [], [6, 5]]), tmp_path)
     assert index.occurrences([5, 6]) == [(0, 0), (0, 2)]

@@ -16,6 +16,16 @@ At each step, with c the context (prompt + output so far, ending with the bonus 
    order; the stated order makes the tree deterministic.)
 5. The drafts are the kept prefixes that no other kept prefix extends (the trie's leaves), in
    rank order; the engine merges them back into the same trie.
+
+Where this differs from REST's code (FasterDecoding/REST, DraftRetriever), and why:
+- REST concatenates the corpus without separators, so its continuations can run into the next
+  document; here they stop at the document's end (the datastore keeps document bounds).
+- REST takes an occurrence at the very end of its data as a match with an empty continuation;
+  here a match needs a next token (in its document), so such an occurrence neither counts
+  towards k nor decides n.
+- REST cuts the corpus into sub-indexes of 512M tokens and takes up to k matches from each;
+  here there is one suffix array, so k matches in all.
+- Ties at the 64-node cut-off: REST's order is a hash map's; here the stated order.
 """
 
 from __future__ import annotations
