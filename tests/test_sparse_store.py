@@ -145,8 +145,10 @@ def test_cli_build_inspect_generate(tmp_path, source_tree, default_target, capsy
     assert figures["kind"] == "sparse" and figures["settings"]["sparse"]["symbol_bytes"] == 2
     common = ["generate", "--prompt", "Import the heapq module.", "--max-new-tokens", "12",
               "--json"]
-    assert main([*common, "--method", "rest", "--datastore", str(out)]) == 0
+    assert main([*common, "--method", "rest", "--datastore", str(out),
+                 "--rest-tree-nodes", "8"]) == 0
     rest = json.loads(capsys.readouterr().out)
+    assert 0 < rest["drafted_tokens_per_step"] <= 8  # the option reached the drafter
     assert main([*common, "--method", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out)
     assert rest["token_ids"] == ar["token_ids"]

@@ -159,6 +159,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datastore", type=Path, default=None,
                    help="dresd, rest: the datastore folder (built with `dresd build`)")
     p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 50)")
+    p.add_argument("--rest-max-suffix", type=int, default=None, dest="max_suffix",
+                   help="rest: longest context suffix looked up (default 16)")
+    p.add_argument("--rest-min-suffix", type=int, default=None, dest="min_suffix",
+                   help="rest: shortest context suffix looked up (default 2)")
+    p.add_argument("--rest-matches", type=int, default=None, dest="max_matches",
+                   help="rest: matches whose continuations are counted (default 5000)")
+    p.add_argument("--rest-tree-nodes", type=int, default=None, dest="max_tree_nodes",
+                   help="rest: draft-tree nodes kept, the most frequent prefixes (default 64)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -181,7 +189,9 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
 def drafter_options(args: argparse.Namespace) -> dict:
     return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
                 len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
-                datastore=str(args.datastore) if args.datastore else None)
+                datastore=str(args.datastore) if args.datastore else None,
+                max_suffix=args.max_suffix, min_suffix=args.min_suffix,
+                max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
