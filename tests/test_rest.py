@@ -206,6 +206,6 @@ def test_lossless_on_the_default_model(tmp_path, default_target):
         result = speculative_generate(default_target.model, drafter, torch.tensor([prompt]),
                                       max_new_tokens=40,
                                       eos_token_ids=default_target.eos_token_ids)
-        assert result.token_ids == greedy(default_target.model, prompt, 40)[: len(result.token_ids)]
+        assert result.token_ids == greedy(default_target.model, prompt, 40)
         accepted += sum(step.num_accepted for step in result.steps)
     assert accepted > 20
