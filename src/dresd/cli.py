@@ -1,4 +1,4 @@
-"""The `dresd` command: generate, bench, demo, fetch-model.
+"""The `dresd` command: generate, build, inspect, bench, corpus, fetch-model.
 
 Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
 ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec
+from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
 from dresd.metrics import GenerationResult, summarize
@@ -21,6 +23,7 @@ from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
 METHODS = [AR, *DRAFTERS]
+BUILD_KINDS = ["dense", "sparse", "dense,sparse"]
 
 
 class UserError(Exception):
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, ModelError, ValueError, FileNotFoundError) as err:
+    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, FileNotFoundError,
+            ImportError) as err:
         print(f"dresd: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -50,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     gen.add_argument("--method", choices=METHODS, default="pld",
                      help="ar: transformers generate; none: plain decoding in the speculative "
-                          "loop; pld: prompt lookup (default)")
+                          "loop; pld: prompt lookup (default); dresd: dense retrieval; "
+                          "rest: REST's sparse retrieval (dresd and rest need --datastore)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path,
@@ -74,14 +79,76 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
     bench.set_defaults(func=cmd_bench)
 
-    demo = commands.add_parser("demo", help="AR, plain loop and PLD side by side on real prompts")
-    _add_model_options(demo)
-    demo.add_argument("--limit", type=int, default=4, help="HumanEval prompts to use")
-    demo.set_defaults(func=cmd_demo, max_new_tokens=96)
 
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    build = commands.add_parser("build", help="build a datastore from a corpus")
+    build.add_argument("--kind", choices=BUILD_KINDS, default="dense",
+                       help="dense: DReSD (hidden-state keys); sparse: REST (suffix array of "
+                            "the token ids); dense,sparse: both from one pass, in one folder")
+    build.add_argument("--model", default=DEFAULT_MODEL, help="the target the datastore is for")
+    build.add_argument("--out", type=Path, required=True, help="the datastore folder to create")
+    _add_corpus_options(build)
+    build.add_argument("--pca-dim", type=int, default=64, help="key dimensions (default 64)")
+    build.add_argument("--value-len", type=int, default=20,
+                       help="tokens stored after each position (default 20)")
+    build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
+                       help="auto: exact search for small stores, FAISS IVF above")
+    build.add_argument("--recall-target", type=float, default=0.9,
+                       help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
+    build.add_argument("--chunk-tokens", type=int, default=65_536,
+                       help="corpus tokens per resumable chunk")
+    build.add_argument("--batch-tokens", type=int, default=8_192,
+                       help="padded tokens per forward (lower it if memory is short)")
+    build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.set_defaults(func=cmd_build)
+
+    corpus = commands.add_parser("corpus", help="corpus tools")
+    corpus_commands = corpus.add_subparsers(dest="corpus_command", required=True)
+    regen = corpus_commands.add_parser(
+        "regenerate", help="the target's own responses to a corpus's prompts (an ID corpus)")
+    regen.add_argument("--model", default=DEFAULT_MODEL, help="the target that responds")
+    regen.add_argument("--corpus", type=Path, required=True, help="a .jsonl file of prompts")
+    regen.add_argument("--out", type=Path, required=True,
+                       help="the .jsonl file written (appended to, and resumed, if it exists)")
+    regen.add_argument("--prompt-field", default="prompt")
+    regen.add_argument("--response-field", default="response", help="the field written")
+    regen.add_argument("--format", choices=FORMATS, default="chat")
+    regen.add_argument("--max-new-tokens", type=int, default=256)
+    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    regen.add_argument("--quiet", action="store_true", help="no progress bar")
+    regen.set_defaults(func=cmd_regenerate)
+
+    inspect = commands.add_parser("inspect", help="what a datastore holds")
+    inspect.add_argument("datastore", type=Path)
+    inspect.add_argument("--verify", action="store_true", help="check every file's sha256")
+    inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
+    inspect.set_defaults(func=cmd_inspect)
     return parser
+
+
+def _add_corpus_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus", action="append", required=True,
+                   help="a .jsonl file, a text file, a folder (source tree) or 'stdlib' "
+                        "(repeatable)")
+    p.add_argument("--prompt-field", default="prompt",
+                   help="JSON Lines prompt field ('' for none: the response field is plain text)")
+    p.add_argument("--response-field", default="response", help="JSON Lines response field")
+    p.add_argument("--format", choices=FORMATS, default="chat",
+                   help="chat: the tokenizer's chat template (default); qa: the paper's "
+                        "'Question: ...\\nAnswer:\\n'")
+    p.add_argument("--keys", choices=KEY_POSITIONS, default="all",
+                   help="key positions: all (default, as the authors) or response only")
+    p.add_argument("--glob", default="*.py", help="files read from a folder (default *.py)")
+    p.add_argument("--max-doc-tokens", type=int, default=1024,
+                   help="longer documents are cut into pieces of this many tokens")
+    p.add_argument("--limit", type=int, default=None, help="read at most this many documents")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -102,6 +169,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-drafts", type=int, default=None, help="drafts per step")
     p.add_argument("--draft-model", default=None,
                    help="small model for --method draft (must share the target's tokenizer)")
+    p.add_argument("--datastore", type=Path, default=None,
+                   help="dresd, rest: the datastore folder (built with `dresd build`)")
+    p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 50)")
+    p.add_argument("--rest-max-suffix", type=int, default=None, dest="max_suffix",
+                   help="rest: longest context suffix looked up (default 16)")
+    p.add_argument("--rest-min-suffix", type=int, default=None, dest="min_suffix",
+                   help="rest: shortest context suffix looked up (default 2)")
+    p.add_argument("--rest-matches", type=int, default=None, dest="max_matches",
+                   help="rest: matches whose continuations are counted (default 5000)")
+    p.add_argument("--rest-tree-nodes", type=int, default=None, dest="max_tree_nodes",
+                   help="rest: draft-tree nodes kept, the most frequent prefixes (default 64)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -122,8 +200,12 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
 
 
 def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]) -> dict:
+    """Every drafter option given on the command line; each drafter takes those it knows."""
     options = dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                   num_drafts=args.num_drafts)
+                   len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
+                   datastore=str(args.datastore) if args.datastore else None,
+                   max_suffix=args.max_suffix, min_suffix=args.min_suffix,
+                   max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes)
     if "draft" in methods:
         if args.draft_model is None:
             raise UserError("--method draft needs --draft-model")
@@ -179,6 +261,9 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.method in ("dresd", "rest") and args.datastore is None:
+        raise UserError(f"--method {args.method} needs --datastore DIR "
+                        "(build one with `dresd build`)")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():
@@ -205,43 +290,6 @@ def _figure_line(record: dict) -> str:
     if record.get("acceptance_rate") is not None:
         line += f", acceptance rate {record['acceptance_rate']:.1%}"
     return line
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from dresd.datasets import type_hint_prompts
-
-    settings = settings_from_args(args)
-    target = load_target(args.model)
-    methods = [AR, "none", "pld"]
-    options = drafter_options(args, target, methods)
-    runners = [MethodRunner(target, m, settings, **options) for m in methods]
-    prompts = type_hint_prompts(args.limit)
-    print(f"dresd demo: {target.name}, {len(prompts)} HumanEval 'add type hints' prompts, "
-          f"{settings.max_new_tokens} new tokens at most, {torch.get_num_threads()} thread(s)")
-    results: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-    warmup = encode_prompt(target.tokenizer, "Hello", not args.no_chat_template)
-    for runner in runners:  # warm-up, untimed: first calls pay for lazy initialisation
-        runner.generate(warmup)
-    for number, prompt in enumerate(prompts, 1):
-        ids = encode_prompt(target.tokenizer, prompt, not args.no_chat_template)
-        for runner in runners:  # interleaved, so that machine drift hits every method alike
-            results[runner.method].append(runner.generate(ids))
-        print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr)
-    reference = results[AR]
-    ar_speed = summarize(reference)["tokens_per_s"]
-    print(f"\n{'method':8} {'tokens/s':>9} {'speedup':>8} {'accepted len':>13} "
-          f"{'acceptance':>11} {'identical':>10}")
-    for method in methods:
-        figures = summarize(results[method])
-        pairs = zip(results[method], reference, strict=True)
-        same = sum(r.token_ids == a.token_ids for r, a in pairs)
-        mal = figures["mean_accepted_length"]
-        rate = figures["acceptance_rate"]
-        speedup = figures["tokens_per_s"] / ar_speed
-        print(f"{method:8} {figures['tokens_per_s']:9.1f} {speedup:7.2f}x "
-              f"{mal:13.2f} {'-' if rate is None else f'{rate:.1%}':>11} "
-              f"{f'{same}/{len(prompts)}':>10}")
-    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -297,6 +345,61 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     print(ensure_default_model())
     return 0
+
+
+def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
+    return CorpusSpec(sources=args.corpus, prompt_field=args.prompt_field or None,
+                      response_field=args.response_field, format=args.format, keys=args.keys,
+                      tree_glob=args.glob, max_tokens=args.max_doc_tokens, limit=args.limit)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from dresd.datastore.dense import DenseBuildConfig, build_dense
+    from dresd.datastore.sparse_store import build_sparse_datastore
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    spec = corpus_spec_from_args(args)
+    if args.kind == "sparse":  # no forward pass: the dense options do not apply
+        out = build_sparse_datastore(load_target(args.model), spec, args.out,
+                                     progress=not args.quiet)
+        print(out)
+        return 0
+    config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
+                              recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
+                              batch_tokens=args.batch_tokens)
+    target = load_target(args.model)
+    out = build_dense(target, spec, args.out, config, progress=not args.quiet,
+                      with_sparse=args.kind == "dense,sparse")
+    print(out)
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dresd.regenerate import RegenerateConfig, regenerate
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+    if not args.corpus.is_file():
+        raise UserError(f"corpus file {args.corpus} does not exist")
+    config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
+                              format=args.format, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.batch_size, temperature=args.temperature,
+                              seed=args.seed, limit=args.limit)
+    target = load_target(args.model)
+    rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
+    print(f"{args.out}: {rows} responses")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from dresd.datastore.inspect import describe, format_description
+
+    figures = describe(args.datastore, verify=args.verify)
+    print(json.dumps(figures, indent=2) if args.json else format_description(figures))
+    return 0 if not figures.get("corrupt_files") else 1
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ class MethodRunner:
         self.drafter: Drafter | None = (
             None if method == AR else make_drafter(method, **drafter_options)
         )
+        # Drafters bound to a model (datastores) refuse a target they were not built for.
+        check_target = getattr(self.drafter, "check_target", None)
+        if check_target is not None:
+            check_target(target)
 
     def check_fits(self, prompt_ids: list[int]) -> int:
         """How many new tokens the prompt leaves room for; an error if it fills the context."""

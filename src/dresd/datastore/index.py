@@ -1,0 +1,223 @@
+"""Nearest-neighbour search over unit-length keys by inner product (= cosine similarity).
+
+Three backends behind one small interface (`search(queries, k) -> (scores, ids)`):
+
+- `exact`: every key scored (FAISS flat inner product); for small stores, where it is fast
+  and has recall 1. Keys live in `keys.npy` (fp16 on disk, float32 in memory for the product).
+- `ivf`: FAISS IVF with inner product, ~4*sqrt(N) lists, the keys stored at fp16 inside the
+  index (IVF-Flat at half precision: the "flat" codes are the fp16 keys themselves, so the
+  keys are not stored twice). `nprobe` is the smallest power of two whose recall@10 against
+  exact search on a sample of queries reaches `recall_target`; it is recorded in the manifest.
+  The index is opened memory-mapped (`IO_FLAG_MMAP_IFC`): opening costs no copy of the lists.
+- `scann`: ScaNN with the paper's configuration (tree + asymmetric hashing + reordering),
+  optional: `pip install dresd[scann]`.
+
+`auto` picks `exact` below `EXACT_MAX_ENTRIES` entries and `ivf` above.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+KINDS = ("auto", "exact", "ivf", "scann")
+EXACT_MAX_ENTRIES = 50_000  # above this, one query scoring every key costs over ~1 ms
+KEYS_FILE = "keys.npy"
+IVF_FILE = "index.faiss"
+SCANN_DIR = "scann"
+RECALL_SAMPLE = 200  # queries used to pick nprobe
+RECALL_AT = 10
+TRAIN_PER_LIST = 64  # k-means training points per inverted list
+
+
+class KeyIndex(Protocol):
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores [m, k], ids [m, k]) for float32 unit queries [m, dim], best first; ids are
+        -1 where fewer than k keys exist."""
+        ...
+
+
+def choose_kind(kind: str, num_entries: int) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown index {kind!r}; choose from {', '.join(KINDS)}")
+    if kind == "auto":
+        return "exact" if num_entries <= EXACT_MAX_ENTRIES else "ivf"
+    return kind
+
+
+class ExactIndex:
+    """Brute force: every key scored against the query (FAISS flat inner product, whose SIMD
+    scan with a top-k heap is ~10x faster than a NumPy product and partial sort)."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        import faiss
+
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        self.index = faiss.IndexFlatIP(keys.shape[1])
+        self.index.add(keys)
+
+    @classmethod
+    def open(cls, folder: Path) -> ExactIndex:
+        return cls(np.load(folder / KEYS_FILE, mmap_mode="r"))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        return self.index.search(queries, k)
+
+
+class FaissIndex:
+    """A FAISS index opened memory-mapped; `nprobe` applies to IVF indexes."""
+
+    def __init__(self, index, nprobe: int | None = None) -> None:
+        self.index = index
+        if nprobe is not None:
+            index.nprobe = nprobe
+
+    @classmethod
+    def open(cls, folder: Path, nprobe: int | None) -> FaissIndex:
+        import faiss
+
+        return cls(faiss.read_index(str(folder / IVF_FILE), faiss.IO_FLAG_MMAP_IFC), nprobe)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        return self.index.search(queries, k)
+
+
+def ivf_num_lists(num_entries: int) -> int:
+    """About 4 * sqrt(N) inverted lists, at least 1 and at most N / 39 (FAISS wants ~39
+    training points per centroid)."""
+    return max(1, min(int(round(4 * math.sqrt(num_entries))), num_entries // 39))
+
+
+def build_ivf(keys: np.ndarray, folder: Path, recall_target: float = 0.9,
+              seed: int = 0) -> dict:
+    """Train, fill and write an IVF index (fp16 codes, inner product); pick nprobe for
+    `recall_target` recall@10 on a sample of the keys as queries (their own entry excluded)."""
+    import faiss
+
+    n, dim = keys.shape
+    nlist = ivf_num_lists(n)
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_fp16,
+                                          faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    # 64 points per list trains k-means well enough (FAISS asks for >= 39) at a quarter of
+    # the cost of FAISS's own cap of 256.
+    train = keys[np.sort(rng.choice(n, size=min(n, TRAIN_PER_LIST * nlist), replace=False))]
+    index.train(np.asarray(train, dtype=np.float32))
+    for start in range(0, n, 1 << 18):
+        index.add(np.asarray(keys[start : start + (1 << 18)], dtype=np.float32))
+    nprobe, recall = _choose_nprobe(index, keys, recall_target, rng)
+    index.nprobe = nprobe
+    faiss.write_index(index, str(folder / IVF_FILE))
+    return {"index": "ivf", "nlist": nlist, "nprobe": nprobe, "recall_at_10": recall,
+            "recall_target": recall_target, "codes": "fp16"}
+
+
+def _choose_nprobe(index, keys: np.ndarray, target: float,
+                   rng: np.random.Generator) -> tuple[int, float]:
+    n = len(keys)
+    sample = np.sort(rng.choice(n, size=min(n, RECALL_SAMPLE), replace=False))
+    queries = np.asarray(keys[sample], dtype=np.float32)
+    k = min(RECALL_AT + 1, n)
+    # Exact neighbours, scanning the keys in blocks so that memory stays bounded.
+    best_scores = np.full((len(sample), k), -np.inf, dtype=np.float32)
+    best_ids = np.full((len(sample), k), -1, dtype=np.int64)
+    for start in range(0, n, 1 << 18):
+        block = np.asarray(keys[start : start + (1 << 18)], dtype=np.float32)
+        scores, ids = ExactIndex(block).search(queries, k)
+        merged_scores = np.concatenate([best_scores, scores], axis=1)
+        merged_ids = np.concatenate([best_ids, ids + start], axis=1)
+        order = np.argsort(-merged_scores, axis=1, kind="stable")[:, :k]
+        best_scores = np.take_along_axis(merged_scores, order, axis=1)
+        best_ids = np.take_along_axis(merged_ids, order, axis=1)
+    truth = [set(row[row != q][: k - 1]) for row, q in zip(best_ids, sample, strict=True)]
+    nprobe, recall = 1, 0.0
+    while True:
+        index.nprobe = nprobe
+        _, found = index.search(queries, k)
+        hits = sum(len(t & set(row[row != q]))
+                   for t, row, q in zip(truth, found, sample, strict=True))
+        recall = hits / max(1, sum(len(t) for t in truth))
+        if recall >= target or nprobe >= index.nlist:
+            return nprobe, recall
+        nprobe = min(nprobe * 2, index.nlist)
+
+
+def build_scann(keys: np.ndarray, folder: Path, k: int = 50) -> dict:
+    """ScaNN as the paper configures it: a partitioning tree (~sqrt(N) leaves, 10% searched),
+    anisotropic asymmetric hashing (2 dims per block, threshold 0.2), exact reordering of the
+    best 100."""
+    scann = import_scann()
+    n = len(keys)
+    leaves = max(1, int(math.sqrt(n)))
+    data = np.asarray(keys, dtype=np.float32)
+    searcher = (scann.scann_ops_pybind.builder(data, k, "dot_product")
+                .tree(num_leaves=leaves, num_leaves_to_search=max(1, leaves // 10),
+                      training_sample_size=min(n, 250_000))
+                .score_ah(2, anisotropic_quantization_threshold=0.2)
+                .reorder(100).build())
+    (folder / SCANN_DIR).mkdir()
+    searcher.serialize(str(folder / SCANN_DIR))
+    return {"index": "scann", "num_leaves": leaves, "leaves_to_search": max(1, leaves // 10)}
+
+
+class ScannIndex:
+    def __init__(self, searcher) -> None:
+        self.searcher = searcher
+
+    @classmethod
+    def open(cls, folder: Path) -> ScannIndex:
+        scann = import_scann()
+        return cls(scann.scann_ops_pybind.load_searcher(str(folder / SCANN_DIR)))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        ids, scores = self.searcher.search_batched(queries, final_num_neighbors=k)
+        return scores, ids.astype(np.int64)
+
+
+def import_scann():
+    try:
+        import scann
+    except ImportError as err:
+        raise ImportError("the ScaNN index needs the optional package: pip install "
+                          "'dresd[scann]' (wheels exist for Linux x86-64 only)") from err
+    return scann
+
+
+def build_index(kind: str, keys: np.ndarray, folder: Path, recall_target: float = 0.9) -> dict:
+    """Build the index of `kind` (already resolved from `auto`) over `keys` into `folder`;
+    returns its settings for the manifest. `exact` uses `keys.npy` as it is."""
+    if kind == "exact":
+        return {"index": "exact"}
+    if kind == "ivf":
+        return build_ivf(keys, folder, recall_target)
+    if kind == "scann":
+        return build_scann(keys, folder)
+    raise ValueError(f"unknown index kind {kind!r}")
+
+
+def open_index(folder: Path, settings: dict) -> KeyIndex:
+    kind = settings["index"]
+    if kind == "exact":
+        return ExactIndex.open(folder)
+    if kind == "ivf":
+        return FaissIndex.open(folder, settings.get("nprobe"))
+    if kind == "scann":
+        return ScannIndex.open(folder)
+    raise ValueError(f"unknown index kind {kind!r} in the manifest")
+
+
+def index_files(kind: str, folder: Path) -> list[str]:
+    """The files an index of `kind` keeps in the datastore folder (relative names)."""
+    if kind == "exact":
+        return [KEYS_FILE]
+    if kind == "ivf":
+        return [IVF_FILE]
+    return sorted(str(p.relative_to(folder)) for p in (folder / SCANN_DIR).rglob("*")
+                  if p.is_file())

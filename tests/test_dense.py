@@ -1,0 +1,221 @@
+"""The dense datastore and the DReSD drafter end to end, on the default model.
+
+An in-distribution corpus (the model's own greedy responses, as `dresd corpus regenerate`
+writes them) is built into a datastore; prompting with one of its prompts must then draft
+the stored response (long accepted runs) while the output stays plain greedy, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+
+from dresd.cli import main
+from dresd.corpus import CorpusError, CorpusSpec, encode_prompt
+from dresd.datastore import dense
+from dresd.datastore.format import AtomicBuild, DatastoreError, partial_dir, read_manifest
+from dresd.datastore.inspect import describe
+from dresd.drafters import DenseDrafter, DraftContext
+from dresd.models import Target
+from dresd.regenerate import RegenerateConfig, regenerate
+from dresd.runner import AR, GenerationSettings, MethodRunner
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a prime number is.",
+    "List three uses of the Python language.",
+]
+NEW_TOKENS = 40
+SMALL_BUILD = dict(chunk_tokens=64, sample_min=100, sample_fraction=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def id_corpus(tmp_path_factory, default_target):
+    folder = tmp_path_factory.mktemp("corpus")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = folder / "responses.jsonl"
+    config = RegenerateConfig(max_new_tokens=NEW_TOKENS, batch_size=len(PROMPTS))
+    regenerate(default_target, prompts, out, config, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def datastore(tmp_path_factory, default_target, id_corpus):
+    out = tmp_path_factory.mktemp("stores") / "id"
+    spec = CorpusSpec([str(id_corpus)])
+    return dense.build_dense(default_target, spec, out,
+                             dense.DenseBuildConfig(pca_dim=16, **SMALL_BUILD), progress=False)
+
+
+def test_regenerate_writes_one_response_per_prompt_and_resumes(id_corpus, default_target):
+    rows = [json.loads(line) for line in id_corpus.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    assert all(r["response"].strip() for r in rows)
+    before = id_corpus.read_text()
+    regenerate(default_target, id_corpus.with_name("prompts.jsonl"), id_corpus,
+               RegenerateConfig(max_new_tokens=NEW_TOKENS), progress=False)
+    assert id_corpus.read_text() == before  # all rows done: nothing generated twice
+
+
+def test_manifest_describes_the_store(datastore, default_target):
+    manifest = read_manifest(datastore)
+    assert manifest.kind == "dense" and manifest.model == "default"
+    assert manifest.num_documents == len(PROMPTS)
+    assert manifest.num_entries == manifest.num_corpus_tokens - len(PROMPTS)  # all but the last
+    assert manifest.settings["pca_dim"] == 16 and manifest.settings["index"] == "exact"
+    figures = describe(datastore, verify=True)
+    assert figures["corrupt_files"] == []
+    assert figures["bytes_per_corpus_token_total"] == pytest.approx(
+        sum(figures["bytes_per_corpus_token"].values()))
+    # No duplicated values: the stream holds each corpus token once (2 bytes, uint16), plus
+    # the .npy header.
+    stream_bytes = figures["bytes_per_corpus_token"]["token stream (values)"]
+    assert stream_bytes * manifest.num_corpus_tokens <= 2 * manifest.num_corpus_tokens + 256
+
+
+def test_first_draft_is_the_stored_continuation(datastore, default_target, id_corpus):
+    tokenizer, model = default_target.tokenizer, default_target.model
+    response = json.loads(id_corpus.read_text().splitlines()[0])["response"]
+    prompt_ids = encode_prompt(tokenizer, PROMPTS[0])
+    stored = dense.tokenize_corpus(tokenizer, CorpusSpec([str(id_corpus)]))[0].ids
+    continuation = stored[len(prompt_ids) :]
+    assert tokenizer.decode(continuation).startswith(response[:20])
+    with torch.inference_mode():
+        state = model.base_model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0, -1]
+    drafter = DenseDrafter(str(datastore), len_drafts=10)
+    context = DraftContext(np.array(prompt_ids + continuation[:1]), state, max_draft_len=64)
+    drafts = drafter.propose(context)
+    assert drafts[0] == continuation[1:11]
+    assert len(drafts) <= drafter.num_drafts
+    assert all(len(d) <= 10 for d in drafts)
+
+
+def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target):
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    reference = MethodRunner(default_target, AR, settings)
+    dresd = MethodRunner(default_target, "dresd", settings, datastore=str(datastore))
+    for prompt in PROMPTS[:2]:
+        ids = encode_prompt(default_target.tokenizer, prompt)
+        result = dresd.generate(ids)
+        assert result.token_ids == reference.generate(ids).token_ids
+        tokens_per_forward = len(result.token_ids) / result.num_target_forwards
+        assert tokens_per_forward >= 3.0, tokens_per_forward
+
+
+def test_unrelated_prompt_is_still_exact(datastore, default_target):
+    settings = GenerationSettings(max_new_tokens=24)
+    ids = encode_prompt(default_target.tokenizer, "Name a colour of the rainbow.")
+    expected = MethodRunner(default_target, AR, settings).generate(ids).token_ids
+    got = MethodRunner(default_target, "dresd", settings, datastore=str(datastore)).generate(ids)
+    assert got.token_ids == expected
+
+
+def test_mismatched_model_or_tokenizer_is_refused(datastore, default_target):
+    other = Target(tiny_model("llama"), default_target.tokenizer, "tiny-random")
+    with pytest.raises(DatastoreError, match=r"'default'.*'tiny-random'"):
+        MethodRunner(other, "dresd", GenerationSettings(), datastore=str(datastore))
+    from transformers import AutoTokenizer
+
+    from dresd.models import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.add_tokens(["<an_extra_token>"])
+    renamed = Target(default_target.model, tokenizer, "default-extra-token")
+    with pytest.raises(DatastoreError, match=r"tokenizer of 'default'.*'default-extra-token'"):
+        DenseDrafter(str(datastore)).check_target(renamed)
+
+
+def text_corpus(folder) -> CorpusSpec:
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"doc{i}.txt").write_text(
+            f"Document {i}. " + " ".join(f"item {i * 7 + j} is {j * j}" for j in range(8 + i)))
+    return CorpusSpec([str(folder)], tree_glob="*.txt")
+
+
+def test_interrupted_build_leaves_no_store_and_resumes(tmp_path, default_target, monkeypatch):
+    spec = text_corpus(tmp_path / "texts")
+    config = dense.DenseBuildConfig(pca_dim=8, **SMALL_BUILD)
+    out = tmp_path / "store"
+    real_mark = AtomicBuild.mark_chunk_done
+    marks = []
+
+    def dies_on_third_chunk(self, number):
+        if len(marks) == 2:
+            raise KeyboardInterrupt
+        marks.append(number)
+        real_mark(self, number)
+
+    monkeypatch.setattr(AtomicBuild, "mark_chunk_done", dies_on_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        dense.build_dense(default_target, spec, out, config, progress=False)
+    assert not out.exists() and partial_dir(out).is_dir()
+    monkeypatch.setattr(AtomicBuild, "mark_chunk_done", real_mark)
+
+    # Another plan in the same place is refused, not mixed in.
+    with pytest.raises(DatastoreError, match="different plan"):
+        dense.build_dense(default_target, spec, out,
+                          dense.DenseBuildConfig(pca_dim=4, **SMALL_BUILD), progress=False)
+
+    forwarded = []
+    real_states = dense.hidden_states
+
+    def counting(model, docs, *args, **kwargs):
+        forwarded.extend(docs)
+        yield from real_states(model, docs, *args, **kwargs)
+
+    monkeypatch.setattr(dense, "hidden_states", counting)
+    dense.build_dense(default_target, spec, out, config, progress=False)
+    assert out.is_dir() and not partial_dir(out).exists()
+    num_docs = read_manifest(out).num_documents
+    assert 0 < len(forwarded) < num_docs  # finished chunks were not forwarded again
+
+    fresh = dense.build_dense(default_target, spec, tmp_path / "fresh", config, progress=False)
+    resumed_keys = np.load(out / "keys.npy")
+    assert np.allclose(resumed_keys, np.load(fresh / "keys.npy"), atol=2e-3)
+    assert np.array_equal(np.load(out / "offsets.npy"), np.load(fresh / "offsets.npy"))
+
+
+def test_corpus_smaller_than_pca_is_refused(tmp_path, default_target):
+    small = tmp_path / "small.txt"
+    small.write_text("Just a few words.")
+    with pytest.raises(CorpusError, match="needs more"):
+        dense.build_dense(default_target, CorpusSpec([str(small)]), tmp_path / "s",
+                          progress=False)
+    assert not (tmp_path / "s").exists() and not partial_dir(tmp_path / "s").exists()
+
+
+def test_existing_output_is_not_overwritten(datastore, default_target, id_corpus):
+    with pytest.raises(DatastoreError, match="already exists"):
+        dense.build_dense(default_target, CorpusSpec([str(id_corpus)]), datastore,
+                          progress=False)
+
+
+def test_cli_generate_json_reports_the_same_figures(datastore, capsys):
+    common = ["generate", "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--json"]
+    assert main([*common, "--method", "pld"]) == 0
+    pld = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "dresd", "--datastore", str(datastore)]) == 0
+    dresd = json.loads(capsys.readouterr().out)
+    assert set(dresd) == set(pld) and dresd["method"] == "dresd"
+    assert dresd["token_ids"] == pld["token_ids"]  # both lossless
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["generate", "--prompt", "hi", "--method", "dresd"]) == 2
+    assert "needs --datastore" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not a datastore" in capsys.readouterr().err
