@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from dresd.cli import main
 from dresd.corpus import CorpusSpec, tokenize_corpus
@@ -87,6 +87,20 @@ def test_target_with_another_tokenizer_is_refused(tmp_path, source_tree, default
     MethodRunner(default_target, "rest", settings, datastore=str(out))  # same tokenizer: fine
     with pytest.raises(DatastoreError, match="another tokenizer"):
         MethodRunner(other_tokenizer_target(default_target), "rest", settings, datastore=str(out))
+
+
+def test_another_model_with_the_same_tokenizer_is_refused(tmp_path, source_tree,
+                                                          default_target):
+    spec = CorpusSpec(sources=[str(source_tree)])
+    out = build_sparse_datastore(default_target, spec, tmp_path / "store", progress=False)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(default_target.tokenizer), hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)
+    sibling = Target(model=AutoModelForCausalLM.from_config(config).eval(),
+                     tokenizer=default_target.tokenizer, name="tiny-sibling")
+    with pytest.raises(DatastoreError, match="built with model .* but the target is 'tiny-sib"):
+        MethodRunner(sibling, "rest", GenerationSettings(), datastore=str(out))
 
 
 def test_bare_suffix_array_cannot_be_checked(tmp_path, default_target):

@@ -155,7 +155,8 @@ def check_compatible(manifest: Manifest, model: torch.nn.Module,
         raise DatastoreError(
             f"this datastore was built with model {manifest.model!r} "
             f"(fingerprint {manifest.model_fingerprint[:12]}), but the target is {here!r} "
-            f"(fingerprint {model_hash[:12]}): its hidden states do not match the stored keys. "
+            f"(fingerprint {model_hash[:12]}): its hidden states and outputs are not the ones "
+            "stored. "
             "Build a datastore with this model."
         )
 

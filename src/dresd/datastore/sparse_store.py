@@ -28,7 +28,7 @@ from dresd.datastore.format import (
     AtomicBuild,
     DatastoreError,
     Manifest,
-    check_tokenizer_compatible,
+    check_compatible,
     model_fingerprint,
     read_manifest,
     tokenizer_fingerprint,
@@ -114,8 +114,12 @@ def open_sparse_datastore(folder: str | Path) -> tuple[SparseIndex, Manifest | N
 
 
 def check_sparse_target(manifest: Manifest | None, target: Target, folder: str | Path) -> None:
-    """Refuse a target whose tokenizer is not the one the store was built with."""
+    """Refuse a target other than the model and tokenizer the store was built with.
+
+    A suffix array reads only token ids, so a sibling model with the same tokenizer would
+    work; we still bind it to its model, as every datastore is (DESIGN.md's invariant): the
+    corpus may be the model's own outputs (an "ID" store), and figures must name one model."""
     if manifest is None:
         raise DatastoreError(f"{folder} holds a suffix array without a manifest, so nothing says "
                              "which tokenizer made it; build it with `dresd build --kind sparse`")
-    check_tokenizer_compatible(manifest, target.tokenizer, target.name)
+    check_compatible(manifest, target.model, target.tokenizer, target.name)
