@@ -10,6 +10,9 @@ from dresd.models import Target, load_target
 
 TINY_VOCAB = 512
 
+# One thread: on 2 cores under load, 2 PyTorch threads are often slower, and steadier is better.
+torch.set_num_threads(1)
+
 
 def tiny_model(arch: str = "llama", seed: int = 0) -> torch.nn.Module:
     """A 2-layer random model in float64: with float64, tree and one-token forwards agree to

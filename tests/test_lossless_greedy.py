@@ -10,7 +10,7 @@ from drafters_for_tests import FixedDrafter, OracleDrafter, RandomTreeDrafter
 from transformers import LlamaForCausalLM
 
 from dresd.decoding import speculative_generate, supports_tree_attention
-from dresd.drafters import NoDrafter, PromptLookupDrafter
+from dresd.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
 
 
 def varied_prompts(count: int = 24, seed: int = 0) -> list[list[int]]:
@@ -117,3 +117,19 @@ def test_model_ignoring_the_mask_falls_back_to_one_linear_draft():
         result = spec(model, drafter, prompt, 30)
         assert result.token_ids == ref
         assert all(step.num_drafted == step.draft_depth for step in result.steps)  # linear
+
+
+def test_small_draft_model_is_lossless_and_reuses_its_cache(tiny):
+    draft_model = tiny_model("llama", seed=1)  # another random model over the same vocabulary
+    drafter = DraftModelDrafter(draft_model, draft_len=4)
+    for prompt in varied_prompts(10, seed=4):  # one drafter across prompts, as in a bench
+        ref = reference_greedy(tiny, prompt, 30)
+        assert spec(tiny, drafter, prompt, 30).token_ids == ref
+
+
+def test_target_as_its_own_draft_model_is_always_accepted(tiny):
+    drafter = DraftModelDrafter(tiny, draft_len=4)
+    prompt = varied_prompts()[2]
+    result = spec(tiny, drafter, prompt, 31)
+    assert result.token_ids == reference_greedy(tiny, prompt, 31)
+    assert [s.num_accepted for s in result.steps] == [4] * 6

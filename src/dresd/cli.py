@@ -1,4 +1,4 @@
-"""The `dresd` command: generate, demo, fetch-model, build, inspect.
+"""The `dresd` command: generate, build, inspect, bench, corpus, fetch-model.
 
 Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
 ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
@@ -18,11 +18,12 @@ from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
 from dresd.metrics import GenerationResult, summarize
-from dresd.models import DEFAULT_MODEL, ModelError, ensure_default_model, load_target
+from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
 METHODS = [AR, *DRAFTERS]
+BUILD_KINDS = ["dense", "sparse", "dense,sparse"]
 
 
 class UserError(Exception):
@@ -53,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     gen.add_argument("--method", choices=METHODS, default="pld",
                      help="ar: transformers generate; none: plain decoding in the speculative "
-                          "loop; pld: prompt lookup (default); dresd: dense retrieval "
-                          "(needs --datastore)")
+                          "loop; pld: prompt lookup (default); dresd: dense retrieval; "
+                          "rest: REST's sparse retrieval (dresd and rest need --datastore)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path,
@@ -63,17 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=cmd_generate)
 
-    demo = commands.add_parser("demo", help="AR, plain loop and PLD side by side on real prompts")
-    _add_model_options(demo)
-    demo.add_argument("--limit", type=int, default=4, help="HumanEval prompts to use")
-    demo.set_defaults(func=cmd_demo, max_new_tokens=96)
+    bench = commands.add_parser("bench", help="every method side by side on real prompts")
+    _add_model_options(bench)
+    bench.add_argument("--methods", default="ar,pld",
+                       help=f"comma-separated, from {', '.join(METHODS)} (ar is always run: "
+                            "it is the reference)")
+    bench.add_argument("--dataset", action="append", required=True,
+                       help="humaneval, humaneval-typehints, gsm8k, mt_bench or a .jsonl file "
+                            "(repeatable)")
+    bench.add_argument("--prompt-field", default="prompt", help="field of a .jsonl dataset")
+    bench.add_argument("--category-field", default="category",
+                       help="optional category field of a .jsonl dataset")
+    bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
+    bench.set_defaults(func=cmd_bench)
+
 
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
     fetch.set_defaults(func=cmd_fetch_model)
 
     build = commands.add_parser("build", help="build a datastore from a corpus")
-    build.add_argument("--kind", choices=["dense"], default="dense",
-                       help="dense: DReSD (hidden-state keys)")
+    build.add_argument("--kind", choices=BUILD_KINDS, default="dense",
+                       help="dense: DReSD (hidden-state keys); sparse: REST (suffix array of "
+                            "the token ids); dense,sparse: both from one pass, in one folder")
     build.add_argument("--model", default=DEFAULT_MODEL, help="the target the datastore is for")
     build.add_argument("--out", type=Path, required=True, help="the datastore folder to create")
     _add_corpus_options(build)
@@ -157,9 +170,19 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
     p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
     p.add_argument("--num-drafts", type=int, default=None, help="drafts per step")
+    p.add_argument("--draft-model", default=None,
+                   help="small model for --method draft (must share the target's tokenizer)")
     p.add_argument("--datastore", type=Path, default=None,
-                   help="dresd: the dense datastore folder (built with `dresd build`)")
+                   help="dresd, rest: the datastore folder (built with `dresd build`)")
     p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 50)")
+    p.add_argument("--rest-max-suffix", type=int, default=None, dest="max_suffix",
+                   help="rest: longest context suffix looked up (default 16)")
+    p.add_argument("--rest-min-suffix", type=int, default=None, dest="min_suffix",
+                   help="rest: shortest context suffix looked up (default 2)")
+    p.add_argument("--rest-matches", type=int, default=None, dest="max_matches",
+                   help="rest: matches whose continuations are counted (default 5000)")
+    p.add_argument("--rest-tree-nodes", type=int, default=None, dest="max_tree_nodes",
+                   help="rest: draft-tree nodes kept, the most frequent prefixes (default 64)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -179,10 +202,22 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
 
 
-def drafter_options(args: argparse.Namespace) -> dict:
-    return dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
-                datastore=str(args.datastore) if args.datastore else None)
+def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]) -> dict:
+    """Every drafter option given on the command line; each drafter takes those it knows."""
+    options = dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
+                   len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
+                   datastore=str(args.datastore) if args.datastore else None,
+                   max_suffix=args.max_suffix, min_suffix=args.min_suffix,
+                   max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes)
+    if "draft" in methods:
+        if args.draft_model is None:
+            raise UserError("--method draft needs --draft-model")
+        draft = load_target(args.draft_model)
+        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise UserError(f"the draft model {args.draft_model!r} does not share the "
+                            f"tokenizer of the target {args.model!r}")
+        options["model"] = draft.model
+    return options
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -229,14 +264,16 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    if args.method == "dresd" and args.datastore is None:
-        raise UserError("--method dresd needs --datastore DIR (build one with `dresd build`)")
+    if args.method in ("dresd", "rest") and args.datastore is None:
+        raise UserError(f"--method {args.method} needs --datastore DIR "
+                        "(build one with `dresd build`)")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")
     target = load_target(args.model)
-    runner = MethodRunner(target, args.method, settings, **drafter_options(args))
+    options = drafter_options(args, target, [args.method])
+    runner = MethodRunner(target, args.method, settings, **options)
     for prompt in prompts:
         result = runner.generate(encode_prompt(target.tokenizer, prompt, not args.no_chat_template))
         record = result_record(runner, result)
@@ -258,39 +295,53 @@ def _figure_line(record: dict) -> str:
     return line
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from dresd.datasets import type_hint_prompts
+def cmd_bench(args: argparse.Namespace) -> int:
+    import datetime
+    import platform
+
+    import transformers
+
+    from dresd.bench.report import build_report, markdown_table, write_report
+    from dresd.bench.runner import run_bench
+    from dresd.datasets import load_prompts
 
     settings = settings_from_args(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    methods = [AR] + [m for m in methods if m != AR]
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    prompts = [p for name in args.dataset
+               for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
     target = load_target(args.model)
-    methods = [AR, "none", "pld"]
-    runners = [MethodRunner(target, m, settings, **drafter_options(args)) for m in methods]
-    prompts = type_hint_prompts(args.limit)
-    print(f"dresd demo: {target.name}, {len(prompts)} HumanEval 'add type hints' prompts, "
-          f"{settings.max_new_tokens} new tokens at most, {torch.get_num_threads()} thread(s)")
-    results: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-    warmup = encode_prompt(target.tokenizer, "Hello", not args.no_chat_template)
-    for runner in runners:  # warm-up, untimed: first calls pay for lazy initialisation
-        runner.generate(warmup)
-    for number, prompt in enumerate(prompts, 1):
-        ids = encode_prompt(target.tokenizer, prompt, not args.no_chat_template)
-        for runner in runners:  # interleaved, so that machine drift hits every method alike
-            results[runner.method].append(runner.generate(ids))
-        print(f"  prompt {number}/{len(prompts)} done", file=sys.stderr)
-    reference = results[AR]
-    ar_speed = summarize(reference)["tokens_per_s"]
-    print(f"\n{'method':8} {'tokens/s':>9} {'speedup':>8} {'accepted len':>13} "
-          f"{'acceptance':>11} {'identical':>10}")
-    for method in methods:
-        figures = summarize(results[method])
-        pairs = zip(results[method], reference, strict=True)
-        same = sum(r.token_ids == a.token_ids for r, a in pairs)
-        mal = figures["mean_accepted_length"]
-        rate = figures["acceptance_rate"]
-        speedup = figures["tokens_per_s"] / ar_speed
-        print(f"{method:8} {figures['tokens_per_s']:9.1f} {speedup:7.2f}x "
-              f"{mal:13.2f} {'-' if rate is None else f'{rate:.1%}':>11} "
-              f"{f'{same}/{len(prompts)}':>10}")
+    options = drafter_options(args, target, methods)
+    runners = [MethodRunner(target, m, settings, **options) for m in methods]
+    prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
+                  for p in prompts]
+    meta = {
+        "model": target.name,
+        "methods": methods,
+        "datasets": args.dataset,
+        "prompts": len(prompts),
+        "max_new_tokens": settings.max_new_tokens,
+        "sampling": "greedy" if settings.sampling is None else vars(settings.sampling),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    records, interrupted = run_bench(runners, prompts, prompt_ids)
+    meta["interrupted"] = interrupted
+    report = build_report(records, methods, meta)
+    write_report(report, records, args.out)
+    print("\n".join(markdown_table(report["methods"])))
+    print(f"\nreport: {args.out / 'report.md'}")
+    if interrupted:
+        print("dresd: interrupted; the report covers the prompts that finished", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -307,16 +358,23 @@ def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from dresd.datastore.dense import DenseBuildConfig, build_dense
+    from dresd.datastore.sparse_store import build_sparse_datastore
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     spec = corpus_spec_from_args(args)
+    if args.kind == "sparse":  # no forward pass: the dense options do not apply
+        out = build_sparse_datastore(load_target(args.model), spec, args.out,
+                                     progress=not args.quiet)
+        print(out)
+        return 0
     config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens)
     target = load_target(args.model)
     target.model.to(args.device)
-    out = build_dense(target, spec, args.out, config, progress=not args.quiet)
+    out = build_dense(target, spec, args.out, config, progress=not args.quiet,
+                      with_sparse=args.kind == "dense,sparse")
     print(out)
     return 0
 

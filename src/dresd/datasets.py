@@ -1,4 +1,12 @@
-"""Evaluation prompts from the public data sets in `../shared/data` (or `$DRESD_DATA`)."""
+"""Evaluation prompts from the public data sets in `../shared/data` (or `$DRESD_DATA`).
+
+Built-in sets (`load_prompts(name)`):
+- `humaneval`: the 164 function stubs (signature + docstring) to complete;
+- `humaneval-typehints`: "add type hints" requests on the canonical solutions (copy-heavy);
+- `gsm8k`: the 1,319 test questions;
+- `mt_bench`: the 80 first turns, with their categories.
+Any JSON Lines file works too, with a prompt field and an optional category field.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import ast
 import gzip
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -57,3 +66,50 @@ def type_hint_prompts(limit: int | None = None) -> list[str]:
         code = strip_type_hints(task["prompt"] + task["canonical_solution"])
         prompts.append(f"Rewrite this Python code with type hints:\n\n```python\n{code}\n```")
     return prompts
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    dataset: str  # the set it comes from
+    category: str  # a category within the set ("all" when the set has none)
+    text: str
+
+
+def load_prompts(
+    name: str,
+    limit: int | None = None,
+    prompt_field: str = "prompt",
+    category_field: str = "category",
+) -> list[EvalPrompt]:
+    """The first `limit` prompts of a built-in set or of a JSON Lines file."""
+    if name == "humaneval":
+        texts = [(task["prompt"], "all") for task in humaneval()]
+    elif name == "humaneval-typehints":
+        texts = [(text, "all") for text in type_hint_prompts()]
+    elif name == "gsm8k":
+        texts = [(row["question"], "all") for row in read_jsonl(data_dir() / "gsm8k/test.jsonl")]
+    elif name == "mt_bench":
+        rows = read_jsonl(data_dir() / "mt_bench" / "question.jsonl")
+        texts = [(row["turns"][0], row["category"]) for row in rows]
+    elif name.endswith((".jsonl", ".jsonl.gz")):
+        texts = _prompts_from_file(Path(name), prompt_field, category_field)
+        name = Path(name).name.split(".")[0]
+    else:
+        raise ValueError(
+            f"unknown dataset {name!r}: use humaneval, humaneval-typehints, gsm8k, mt_bench "
+            "or a .jsonl file"
+        )
+    return [EvalPrompt(name, category, text) for text, category in texts[:limit]]
+
+
+def _prompts_from_file(path: Path, prompt_field: str, category_field: str) -> list[tuple]:
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    texts = []
+    for number, row in enumerate(read_jsonl(path), 1):
+        if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
+            raise ValueError(f"{path}: row {number} has no text field {prompt_field!r}")
+        texts.append((row[prompt_field], str(row.get(category_field, "all"))))
+    if not texts:
+        raise ValueError(f"dataset file {path} holds no prompts")
+    return texts

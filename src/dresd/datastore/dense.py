@@ -50,6 +50,8 @@ from dresd.datastore.format import (
     save_npy_atomic,
     tokenizer_fingerprint,
 )
+from dresd.datastore.sparse_store import KIND as SPARSE_KIND
+from dresd.datastore.sparse_store import kinds, write_sparse_part
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.models import Target
 
@@ -146,10 +148,13 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
 
 
 def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
-                config: DenseBuildConfig | None = None, progress: bool = True) -> Path:
+                config: DenseBuildConfig | None = None, progress: bool = True,
+                with_sparse: bool = False) -> Path:
     """Build a dense datastore for `target` from the corpus `spec` into `out`; returns `out`.
 
-    Resumes an unfinished build of the same plan in `out.partial`.
+    Resumes an unfinished build of the same plan in `out.partial`. With `with_sparse`, the
+    same documents' suffix array (REST's sparse part, sparse_store.py) goes into the same
+    folder, whose kind is then "dense,sparse".
     """
     config = config or DenseBuildConfig()
     docs = tokenize_corpus(target.tokenizer, spec)
@@ -161,7 +166,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     hidden_size = target.model.config.hidden_size
     if config.pca_dim > hidden_size:
         raise ValueError(f"--pca-dim {config.pca_dim} exceeds the hidden size {hidden_size}")
-    return _DenseBuild(target, spec, docs, config, out, progress).run()
+    return _DenseBuild(target, spec, docs, config, out, progress, with_sparse).run()
 
 
 class _DenseBuild:
@@ -173,9 +178,11 @@ class _DenseBuild:
     """
 
     def __init__(self, target: Target, spec: CorpusSpec, docs: list[TokenizedDocument],
-                 config: DenseBuildConfig, out: str | Path, progress: bool) -> None:
+                 config: DenseBuildConfig, out: str | Path, progress: bool,
+                 with_sparse: bool = False) -> None:
         self.target, self.spec, self.docs, self.config = target, spec, docs, config
-        self.progress = progress
+        self.progress, self.with_sparse = progress, with_sparse
+        self.kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
         self.model = target.model
         self.num_keys = sum(d.num_keys for d in docs)
         # Token stream and document boundaries, in corpus order: the values live there.
@@ -185,7 +192,7 @@ class _DenseBuild:
         self.token_dtype = np.uint16 if self.model.config.vocab_size <= 2**16 else np.uint32
         tokenizer = target.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.plan = {"kind": KIND, "model": target.name,
+        self.plan = {"kind": self.kind, "model": target.name,
                      "model_fingerprint": model_fingerprint(self.model),
                      "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                      "corpus": corpus_fingerprint(spec),
@@ -221,13 +228,18 @@ class _DenseBuild:
         bar.close()
         # 4. Join the chunks, write the values, build the index, finish.
         keys_path, offsets = self.join_chunks()
-        files = self.write_values(offsets)
+        files, stream = self.write_values(offsets)
         keys = np.load(keys_path, mmap_mode="r")
         index_kind = key_index.choose_kind(self.config.index, self.num_keys)
         index_settings = key_index.build_index(index_kind, keys, self.build.dir,
                                                self.config.recall_target)
         del keys
         files += key_index.index_files(index_kind, self.build.dir)
+        if self.with_sparse:  # REST's suffix array over the same token stream
+            sparse_files, sparse_settings = write_sparse_part(stream, self.doc_starts,
+                                                              self.build.dir)
+            files += sparse_files
+            index_settings = {**index_settings, "sparse": sparse_settings}
         if index_kind != "exact" and not self.config.keep_keys:
             keys_path.unlink()  # the index holds the keys: do not store them twice
         elif key_index.KEYS_FILE not in files:
@@ -293,18 +305,19 @@ class _DenseBuild:
         keys.flush()
         return keys_path, offsets
 
-    def write_values(self, offsets: np.ndarray) -> list[str]:
-        """The value files: offsets, the token stream (each token once), document bounds."""
+    def write_values(self, offsets: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """The value files: offsets, the token stream (each token once), document bounds;
+        returns their names and the stream."""
         stream = np.concatenate([np.asarray(d.ids, dtype=self.token_dtype) for d in self.docs])
         save_npy_atomic(self.build.dir / OFFSETS_FILE, offsets)
         save_npy_atomic(self.build.dir / STREAM_FILE, stream)
         save_npy_atomic(self.build.dir / DOC_STARTS_FILE, self.doc_starts)
-        return [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE]
+        return [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE], stream
 
     def manifest(self, transform: KeyTransform, index_settings: dict) -> Manifest:
         sample = sum(self.docs[n].num_keys for c in self.chunks if c.fit for n in c.docs)
         return Manifest(
-            kind=KIND, model=self.target.name,
+            kind=self.kind, model=self.target.name,
             model_fingerprint=self.plan["model_fingerprint"],
             tokenizer_fingerprint=self.plan["tokenizer_fingerprint"],
             vocab_size=self.model.config.vocab_size, num_entries=self.num_keys,
@@ -325,7 +338,7 @@ class DenseDatastore:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
-        if self.manifest.kind != KIND:
+        if KIND not in kinds(self.manifest):
             raise ValueError(f"{self.folder} is a {self.manifest.kind} datastore, not a dense one")
         self.settings = self.manifest.settings
         self.transform = KeyTransform.load(self.folder / TRANSFORM_FILE)

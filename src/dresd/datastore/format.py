@@ -149,6 +149,22 @@ def check_compatible(manifest: Manifest, model: torch.nn.Module,
                      tokenizer: PreTrainedTokenizerBase, model_name: str = "") -> None:
     """Refuse a datastore built by another model or tokenizer, naming both."""
     here = model_name or getattr(model.config, "_name_or_path", "") or "the target"
+    check_tokenizer_compatible(manifest, tokenizer, here)
+    model_hash = model_fingerprint(model)
+    if model_hash != manifest.model_fingerprint:
+        raise DatastoreError(
+            f"this datastore was built with model {manifest.model!r} "
+            f"(fingerprint {manifest.model_fingerprint[:12]}), but the target is {here!r} "
+            f"(fingerprint {model_hash[:12]}): its hidden states and outputs are not the ones "
+            "stored. "
+            "Build a datastore with this model."
+        )
+
+
+def check_tokenizer_compatible(manifest: Manifest, tokenizer: PreTrainedTokenizerBase,
+                               here: str = "the target") -> None:
+    """Refuse a datastore whose token ids come from another tokenizer (`here`: the target's
+    name, for the message)."""
     tokenizer_hash = tokenizer_fingerprint(tokenizer)
     if tokenizer_hash != manifest.tokenizer_fingerprint:
         raise DatastoreError(
@@ -156,14 +172,6 @@ def check_compatible(manifest: Manifest, model: torch.nn.Module,
             f"(fingerprint {manifest.tokenizer_fingerprint[:12]}), but the target {here!r} has "
             f"another tokenizer (fingerprint {tokenizer_hash[:12]}): its token ids would be "
             "garbage here. Build a datastore with this model."
-        )
-    model_hash = model_fingerprint(model)
-    if model_hash != manifest.model_fingerprint:
-        raise DatastoreError(
-            f"this datastore was built with model {manifest.model!r} "
-            f"(fingerprint {manifest.model_fingerprint[:12]}), but the target is {here!r} "
-            f"(fingerprint {model_hash[:12]}): its hidden states do not match the stored keys. "
-            "Build a datastore with this model."
         )
 
 

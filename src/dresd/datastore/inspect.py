@@ -16,6 +16,10 @@ COMPONENTS = {
     "stream.npy": "token stream (values)",
     "doc_starts.npy": "document bounds",
     "transform.npz": "transform",
+    "sparse/symbols.npy": "sparse: token stream",
+    "sparse/suffix_array.npy": "sparse: suffix array",
+    "sparse/alphabet.npy": "sparse: alphabet",
+    "sparse/doc_starts.npy": "sparse: document bounds",
 }
 
 
@@ -26,7 +30,7 @@ def describe(folder: str | Path, verify: bool = False) -> dict:
     tokens = max(1, manifest.num_corpus_tokens)
     by_component: dict[str, int] = {}
     for name in [*manifest.files, MANIFEST]:
-        component = COMPONENTS.get(name.split("/")[0], "other")
+        component = COMPONENTS.get(name) or COMPONENTS.get(name.split("/")[0], "other")
         if name == MANIFEST:
             component = "manifest"
         by_component[component] = by_component.get(component, 0) + (folder / name).stat().st_size
@@ -60,12 +64,19 @@ def format_description(f: dict) -> str:
         f"  entries {f['entries']:,}, corpus tokens {f['corpus_tokens']:,}, "
         f"documents {f['documents']:,}",
     ]
-    if f["kind"] == "dense":
+    kinds = f["kind"].split(",")
+    if "dense" in kinds:
         index = s.get("index")
         detail = f", nlist {s['nlist']}, nprobe {s['nprobe']}, recall@10 {s['recall_at_10']:.3f}" \
             if index == "ivf" else ""
         lines.append(f"  keys: {s['pca_dim']} dims ({s['key_dtype']}) from hidden size "
                      f"{s['hidden_size']}; values: {s['value_len']} tokens; index: {index}{detail}")
+    if "sparse" in kinds:
+        sp = s["sparse"]
+        lines.append(f"  sparse: suffix array ({sp['suffix_array_dtype']}) of "
+                     f"{sp['num_suffixes']:,} suffixes (tokens + document ends); "
+                     f"{sp['distinct_ids']:,} distinct token ids as {sp['symbol_bytes']}-byte "
+                     "symbols")
     lines.append("  sources: " + "; ".join(f["sources"]))
     lines.append(f"  size: {f['bytes']:,} bytes = {f['bytes_per_corpus_token_total']:.1f} bytes "
                  "per corpus token:")

@@ -5,13 +5,17 @@ from __future__ import annotations
 from dresd.drafters.base import Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
+from dresd.drafters.model import DraftModelDrafter
 from dresd.drafters.none import NoDrafter
+from dresd.drafters.rest import RestDrafter
 
 # method name -> drafter class; each takes its own keyword options
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "pld": PromptLookupDrafter,
+    "draft": DraftModelDrafter,
     "dresd": DenseDrafter,  # needs datastore=DIR
+    "rest": RestDrafter,  # needs datastore=DIR
 }
 
 
@@ -24,5 +28,5 @@ def make_drafter(method: str, **options) -> Drafter:
     return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
 
 
-__all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "Drafter", "NoDrafter",
-           "PromptLookupDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter", "Drafter",
+           "NoDrafter", "PromptLookupDrafter", "RestDrafter", "make_drafter"]

@@ -1,0 +1,181 @@
+"""The bench report: `report.json` for scripts, `report.md` for people, PNG plots for eyes.
+
+`report.json` holds, per method, overall, per dataset and per category (keys fixed so that
+scripts can rely on them): `tokens_per_s`, `speedup`, `mean_accepted_length`,
+`acceptance_rate`, `per_position_acceptance`, `drafted_tokens_per_step`, `draft_time_share`,
+`identical_fraction`, and `num_prompts`, `num_new_tokens`, `seconds`,
+`accepted_length_histogram`. `outputs.jsonl` holds every generation's token ids, one per line.
+
+- speedup = the method's tokens/s / AR's tokens/s over the same prompts (the same run);
+- identical_fraction = prompts whose output equals AR's token for token / prompts (under greedy
+  decoding it must be 1.0; under sampling it only says how often the samples coincide);
+- accepted_length_histogram[k] = verify steps that emitted k tokens (accepted + bonus).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from dresd.bench.runner import BenchRecord
+from dresd.metrics import summarize
+from dresd.runner import AR
+
+
+def method_figures(records: list[BenchRecord], methods: list[str]) -> dict[str, dict]:
+    """The figures of each method over `records` (which cover the same prompts per method)."""
+    by_method: dict[str, list[BenchRecord]] = defaultdict(list)
+    for record in records:
+        by_method[record.method].append(record)
+    reference = {r.prompt_index: r.result.token_ids for r in by_method.get(AR, [])}
+    ar_speed = summarize(r.result for r in by_method[AR])["tokens_per_s"] if reference else None
+    table = {}
+    for method in methods:
+        runs = by_method.get(method, [])
+        if not runs:
+            continue
+        figures = summarize(r.result for r in runs)
+        histogram = Counter(s.num_accepted + 1 for r in runs for s in r.result.steps)
+        same = [r.result.token_ids == reference.get(r.prompt_index) for r in runs]
+        speed = figures["tokens_per_s"]
+        table[method] = {
+            "num_prompts": len(runs),
+            "num_new_tokens": figures["num_new_tokens"],
+            "seconds": figures["seconds"],
+            "tokens_per_s": speed,
+            "speedup": speed / ar_speed if speed and ar_speed else None,
+            "mean_accepted_length": figures["mean_accepted_length"],
+            "acceptance_rate": figures["acceptance_rate"],
+            "per_position_acceptance": figures["per_position_acceptance"],
+            "drafted_tokens_per_step": figures["drafted_tokens_per_step"],
+            "draft_time_share": figures["draft_time_share"],
+            "identical_fraction": sum(same) / len(same) if reference else None,
+            "accepted_length_histogram": {str(k): histogram[k] for k in sorted(histogram)},
+        }
+    return table
+
+
+def build_report(records: list[BenchRecord], methods: list[str], meta: dict) -> dict:
+    datasets: dict[str, list[BenchRecord]] = defaultdict(list)
+    categories: dict[str, dict[str, list[BenchRecord]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        datasets[record.prompt.dataset].append(record)
+        categories[record.prompt.dataset][record.prompt.category].append(record)
+    return {
+        "meta": meta,
+        "methods": method_figures(records, methods),
+        "datasets": {name: method_figures(rs, methods) for name, rs in datasets.items()},
+        "categories": {
+            name: {cat: method_figures(rs, methods) for cat, rs in cats.items()}
+            for name, cats in categories.items()
+        },
+    }
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None, fmt: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def markdown_table(table: dict[str, dict]) -> list[str]:
+    lines = ["| method | tokens/s | speedup | mean accepted length | acceptance rate | "
+             "drafted/step | draft time | identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for method, f in table.items():
+        lines.append(
+            f"| {method} | {_num(f['tokens_per_s'], '.1f')} | {_num(f['speedup'], '.2f', 'x')} "
+            f"| {_num(f['mean_accepted_length'])} | {_pct(f['acceptance_rate'])} "
+            f"| {_num(f['drafted_tokens_per_step'], '.1f')} | {_pct(f['draft_time_share'])} "
+            f"| {_pct(f['identical_fraction'])} |"
+        )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# dresd bench: {meta['model']}", ""]
+    lines.append(", ".join(f"{k}: {v}" for k, v in meta.items()
+                           if k not in ("model", "datastore_manifest")))
+    if meta.get("interrupted"):
+        lines += ["", "**Interrupted: partial results over the prompts that finished.**"]
+    lines += ["", "## All prompts", "", *markdown_table(report["methods"])]
+    for name, table in report["datasets"].items():
+        lines += ["", f"## {name}", "", *markdown_table(table)]
+        cats = report["categories"][name]
+        if len(cats) > 1:
+            for cat, cat_table in cats.items():
+                lines += ["", f"### {name} / {cat}", "", *markdown_table(cat_table)]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, records: list[BenchRecord], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    with open(out / "outputs.jsonl", "w") as f:
+        for r in records:
+            row = dict(method=r.method, dataset=r.prompt.dataset, category=r.prompt.category,
+                       prompt_index=r.prompt_index, token_ids=r.result.token_ids)
+            f.write(json.dumps(row) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    write_plots(report, out)
+
+
+def write_plots(report: dict, out: Path) -> None:
+    """speedup.png, per_position_acceptance.png, accepted_length.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(report["methods"])
+    groups = [(f"{d}/{c}" if len(cats) > 1 else d, table)
+              for d, cats in report["categories"].items() for c, table in cats.items()]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(methods) / 2), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [table.get(method, {}).get("speedup") or 0 for _, table in groups]
+        ax.bar([g + i * width for g in range(len(groups))], values, width, label=method)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))])
+    ax.set_xticklabels([name for name, _ in groups], rotation=30, ha="right")
+    ax.set_ylabel("speedup over AR (tokens/s ratio)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, f in report["methods"].items():
+        curve = f["per_position_acceptance"]
+        if curve:
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=method)
+    ax.set_xlabel("draft position d")
+    ax.set_ylabel("P(accepted >= d | drafted to depth d)")
+    ax.set_ylim(0, 1)
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(out / "per_position_acceptance.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, f in report["methods"].items():
+        hist = {int(k): v for k, v in f["accepted_length_histogram"].items()}
+        total = sum(hist.values())
+        if total and method != "none":
+            xs = sorted(hist)
+            ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=method)
+    ax.set_xlabel("tokens emitted per verify step (accepted + bonus)")
+    ax.set_ylabel("fraction of steps")
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(out / "accepted_length.png", dpi=110)
+    plt.close(fig)
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a legend only where something was drawn
+        ax.legend()

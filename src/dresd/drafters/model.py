@@ -1,0 +1,68 @@
+"""Classic speculative decoding: a small draft model that shares the target's tokenizer.
+
+The draft model decodes `draft_len` tokens greedily after the context; that single chain is the
+draft. It keeps its own KV cache between steps: at each step the cache is cut back to the
+longest prefix it shares with the context (the target may have rejected some drafted tokens),
+the context tokens it has not seen are fed in one forward, and then it decodes one token per
+forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from dresd.drafters.base import Draft, DraftContext
+
+
+@dataclass
+class DraftModelDrafter:
+    model: PreTrainedModel | None = None  # the small model; shares the target's vocabulary
+    draft_len: int = 5  # tokens per draft: one small-model forward each
+    name: str = "draft"
+    _cache: DynamicCache | None = field(default=None, repr=False)
+    _cached_tokens: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            raise ValueError("the draft method needs a draft model (--draft-model)")
+        if self.draft_len < 1:
+            raise ValueError("draft_len must be >= 1")
+
+    @torch.inference_mode()
+    def propose(self, context: DraftContext) -> list[Draft]:
+        tokens = context.token_ids.tolist()
+        draft_len = min(self.draft_len, context.max_draft_len)
+        if draft_len < 1:
+            return []
+        self._sync_cache(tokens)
+        # Feed what the cache has not seen (at least the last token), then decode greedily.
+        unseen = tokens[len(self._cached_tokens) :]
+        draft: Draft = []
+        for _ in range(draft_len):
+            logits = self._forward(unseen)
+            unseen = [int(logits.argmax())]
+            draft.append(unseen[0])
+        return [draft]
+
+    def _sync_cache(self, tokens: list[int]) -> None:
+        """Cut the cache back to its longest common prefix with `tokens`, leaving >= 1 unseen.
+        A new prompt simply shares a shorter prefix (often the chat template's preamble)."""
+        if self._cache is None:
+            self._cache = DynamicCache(config=self.model.config)
+        common = 0
+        limit = min(len(tokens) - 1, len(self._cached_tokens))
+        while common < limit and tokens[common] == self._cached_tokens[common]:
+            common += 1
+        self._cache.crop(common - self._cache.get_seq_length())
+        self._cached_tokens = tokens[:common]
+
+    def _forward(self, new_tokens: list[int]) -> torch.Tensor:
+        start = len(self._cached_tokens)
+        positions = torch.arange(start, start + len(new_tokens))[None]
+        out = self.model(input_ids=torch.tensor([new_tokens]), position_ids=positions,
+                         cache=self._cache, use_cache=True, logits_to_keep=1)
+        self._cached_tokens += new_tokens
+        return out.logits[0, -1]

