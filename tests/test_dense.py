@@ -113,6 +113,20 @@ def test_first_draft_is_the_stored_continuation(store, request, default_target, 
     assert all(len(d) <= 10 for d in drafts)
 
 
+def test_response_only_keys(tmp_path, default_target, id_corpus):
+    spec = CorpusSpec([str(id_corpus)], keys="response")
+    store = dense.build_dense(default_target, spec, tmp_path / "response",
+                              dense.DenseBuildConfig(pca_dim=16, **SMALL_BUILD), progress=False)
+    manifest = read_manifest(store)
+    prompt_tokens = sum(len(encode_prompt(default_target.tokenizer, p)) for p in PROMPTS)
+    # One key per response token: the state before it (the prompt's last position included).
+    assert manifest.num_entries == manifest.num_corpus_tokens - prompt_tokens
+    offsets = np.load(store / "offsets.npy").astype(np.int64)
+    starts = np.load(store / "doc_starts.npy")
+    first_prompt = len(encode_prompt(default_target.tokenizer, PROMPTS[0]))
+    assert offsets[(offsets >= starts[0]) & (offsets < starts[1])].min() == first_prompt - 1
+
+
 def test_ivf_store_records_its_search_settings(ivf_datastore):
     settings = read_manifest(ivf_datastore).settings
     assert settings["index"] == "ivf" and not (ivf_datastore / "keys.npy").exists()

@@ -380,7 +380,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from dresd.regenerate import RegenerateConfig, regenerate
+    from dresd.regenerate import RegenerateConfig, read_prompt_rows, regenerate
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -392,6 +392,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               format=args.format, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, temperature=args.temperature,
                               seed=args.seed, limit=args.limit)
+    read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
     target = load_target(args.model)
     target.model.to(args.device)
     rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
