@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +157,9 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     folder, whose kind is then "dense,sparse".
     """
     config = config or DenseBuildConfig()
+    context = getattr(target.model.config, "max_position_embeddings", None)
+    if context and spec.max_tokens > context:  # one forward never exceeds the model's context
+        spec = replace(spec, max_tokens=context)
     docs = tokenize_corpus(target.tokenizer, spec)
     total_keys = sum(d.num_keys for d in docs)
     if total_keys <= config.pca_dim:
