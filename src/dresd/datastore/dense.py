@@ -11,6 +11,8 @@ Files in a dense datastore folder:
                       vocabulary allows): values are slices of it, never copies
     doc_starts.npy    int64 [D + 1]: where each document starts in the stream (and the end), so
                       that a value stops at its document's end instead of running into the next
+                      (the paper pads values with EOS; a cut value is just a shorter draft)
+    sparse/           with `--kind dense,sparse` only: REST's suffix array (sparse_store.py)
 
 Build (`build_dense`), as the authors do it but resumable and in one forward per document:
   1. tokenize the corpus (corpus.py); plan chunks of length-sorted documents;
