@@ -8,7 +8,9 @@ than one built from a corpus's reference responses (OOD). Here, at a small CPU s
 - ID store: the same questions with the target's own greedy answers (`regenerate`);
 - evaluation: the first `--eval` GSM8K *test* questions (never in either store), greedy,
   `--max-new-tokens` tokens, methods interleaved prompt by prompt; every speculative output is
-  checked against AR's.
+  checked against AR's. DReSD runs with the paper's draft shape (10 drafts of 10) and, on the ID
+  store, also with 3 drafts of 6 (`dresd-id-3x6`): on a CPU, verifying a tree costs about as
+  much as its token count, unlike on a GPU.
 
     PYTHONPATH=src python benchmarks/dresd_id_vs_ood.py [--train 96] [--eval 8] [--threads 1]
 """
@@ -70,7 +72,11 @@ def main() -> int:
                    "dresd-ood": MethodRunner(target, "dresd", settings,
                                              datastore=str(stores["ood"])),
                    "dresd-id": MethodRunner(target, "dresd", settings,
-                                            datastore=str(stores["id"]))}
+                                            datastore=str(stores["id"])),
+                   # A smaller tree: on a CPU a verify forward costs about its token count.
+                   "dresd-id-3x6": MethodRunner(target, "dresd", settings,
+                                                datastore=str(stores["id"]), num_drafts=3,
+                                                len_drafts=6)}
         questions = [r["question"] for r in read_jsonl(gsm8k / "test.jsonl")[: args.eval]]
         warmup = encode_prompt(target.tokenizer, "Hello")
         for runner in runners.values():
