@@ -78,6 +78,8 @@ def test_text_files_and_source_trees(tmp_path):
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
     (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
     (tmp_path / "pkg" / "notes.txt").write_text("not python")
+    (tmp_path / "pkg" / "site-packages").mkdir()
+    (tmp_path / "pkg" / "site-packages" / "dep.py").write_text("installed = True\n")
     (tmp_path / "readme.md").write_text("hello")
     docs = read_documents(CorpusSpec([str(tmp_path / "pkg"), str(tmp_path / "readme.md")]))
     assert [d.response for d in docs] == ["x = 1\n", "y = 2\n", "hello"]

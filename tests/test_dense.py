@@ -52,12 +52,20 @@ def id_corpus(tmp_path_factory, default_target):
     return out
 
 
+def build_id_store(folder, target, corpus, index: str):
+    return dense.build_dense(target, CorpusSpec([str(corpus)]), folder / index,
+                             dense.DenseBuildConfig(pca_dim=16, index=index, **SMALL_BUILD),
+                             progress=False)
+
+
 @pytest.fixture(scope="module")
 def datastore(tmp_path_factory, default_target, id_corpus):
-    out = tmp_path_factory.mktemp("stores") / "id"
-    spec = CorpusSpec([str(id_corpus)])
-    return dense.build_dense(default_target, spec, out,
-                             dense.DenseBuildConfig(pca_dim=16, **SMALL_BUILD), progress=False)
+    return build_id_store(tmp_path_factory.mktemp("stores"), default_target, id_corpus, "exact")
+
+
+@pytest.fixture(scope="module")
+def ivf_datastore(tmp_path_factory, default_target, id_corpus):
+    return build_id_store(tmp_path_factory.mktemp("stores"), default_target, id_corpus, "ivf")
 
 
 def test_regenerate_writes_one_response_per_prompt_and_resumes(id_corpus, default_target):
@@ -86,7 +94,9 @@ def test_manifest_describes_the_store(datastore, default_target):
     assert stream_bytes * manifest.num_corpus_tokens <= 2 * manifest.num_corpus_tokens + 256
 
 
-def test_first_draft_is_the_stored_continuation(datastore, default_target, id_corpus):
+@pytest.mark.parametrize("store", ["datastore", "ivf_datastore"])
+def test_first_draft_is_the_stored_continuation(store, request, default_target, id_corpus):
+    datastore = request.getfixturevalue(store)
     tokenizer, model = default_target.tokenizer, default_target.model
     response = json.loads(id_corpus.read_text().splitlines()[0])["response"]
     prompt_ids = encode_prompt(tokenizer, PROMPTS[0])
@@ -101,6 +111,38 @@ def test_first_draft_is_the_stored_continuation(datastore, default_target, id_co
     assert drafts[0] == continuation[1:11]
     assert len(drafts) <= drafter.num_drafts
     assert all(len(d) <= 10 for d in drafts)
+
+
+def test_response_only_keys(tmp_path, default_target, id_corpus):
+    spec = CorpusSpec([str(id_corpus)], keys="response")
+    store = dense.build_dense(default_target, spec, tmp_path / "response",
+                              dense.DenseBuildConfig(pca_dim=16, **SMALL_BUILD), progress=False)
+    manifest = read_manifest(store)
+    prompt_tokens = sum(len(encode_prompt(default_target.tokenizer, p)) for p in PROMPTS)
+    # One key per response token: the state before it (the prompt's last position included).
+    assert manifest.num_entries == manifest.num_corpus_tokens - prompt_tokens
+    offsets = np.load(store / "offsets.npy").astype(np.int64)
+    starts = np.load(store / "doc_starts.npy")
+    first_prompt = len(encode_prompt(default_target.tokenizer, PROMPTS[0]))
+    assert offsets[(offsets >= starts[0]) & (offsets < starts[1])].min() == first_prompt - 1
+
+
+def test_ivf_store_records_its_search_settings(ivf_datastore):
+    settings = read_manifest(ivf_datastore).settings
+    assert settings["index"] == "ivf" and not (ivf_datastore / "keys.npy").exists()
+    assert 1 <= settings["nprobe"] <= settings["nlist"] and settings["recall_at_10"] >= 0.9
+
+
+def test_inspect_finds_a_corrupt_file(datastore, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(datastore, copy)
+    stream = copy / "stream.npy"
+    data = bytearray(stream.read_bytes())
+    data[-1] ^= 0xFF
+    stream.write_bytes(bytes(data))
+    assert describe(copy, verify=True)["corrupt_files"] == ["stream.npy"]
 
 
 def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target):

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-tokens", type=int, default=8_192,
                        help="padded tokens per forward (lower it if memory is short)")
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--device", default="cpu",
+                       help="where the target runs the forward: cpu (default), cuda, cuda:1 ...")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
 
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    regen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 ...")
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
     regen.set_defaults(func=cmd_regenerate)
 
@@ -369,6 +372,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens)
     target = load_target(args.model)
+    target.model.to(args.device)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
                       with_sparse=args.kind == "dense,sparse")
     print(out)
@@ -376,7 +380,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from dresd.regenerate import RegenerateConfig, regenerate
+    from dresd.regenerate import RegenerateConfig, read_prompt_rows, regenerate
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -388,7 +392,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               format=args.format, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, temperature=args.temperature,
                               seed=args.seed, limit=args.limit)
+    read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
     target = load_target(args.model)
+    target.model.to(args.device)
     rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
     print(f"{args.out}: {rows} responses")
     return 0

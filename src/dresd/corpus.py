@@ -180,11 +180,19 @@ def _read_text(path: Path) -> str:
         raise CorpusError(f"cannot read corpus file {path}: {err}") from err
 
 
+# Installed third-party packages are not the tree's own source (the stdlib folder holds them).
+SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def tree_files(folder: Path, glob: str) -> list[Path]:
+    """The files of a source tree matching `glob`, sorted, without installed packages."""
+    return sorted(p for p in folder.rglob(glob)
+                  if p.is_file() and not SKIPPED_FOLDERS.intersection(p.relative_to(folder).parts))
+
+
 def _read_tree(folder: Path, glob: str) -> list[Document]:
     documents = []
-    for path in sorted(folder.rglob(glob)):
-        if not path.is_file():
-            continue
+    for path in tree_files(folder, glob):
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -260,8 +268,7 @@ def corpus_fingerprint(spec: CorpusSpec) -> list[dict]:
         path = resolve_source(source)
         digest = hashlib.sha256()
         size = 0
-        files = sorted(p for p in path.rglob(spec.tree_glob) if p.is_file()) if path.is_dir() \
-            else [path]
+        files = tree_files(path, spec.tree_glob) if path.is_dir() else [path]
         for file in files:
             digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
             data = file.read_bytes()

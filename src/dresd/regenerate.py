@@ -47,10 +47,8 @@ def count_done(out: Path) -> int:
     return sum(1 for line in complete.splitlines() if line.strip())
 
 
-@torch.inference_mode()
-def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig,
-               progress: bool = True) -> int:
-    """Append the target's responses for the prompts of `corpus` to `out`; returns rows done."""
+def read_prompt_rows(corpus: Path, config: RegenerateConfig) -> list[dict]:
+    """The rows of a prompts file (up to `config.limit`); each must have a text prompt field."""
     rows = []
     for number, row in iter_jsonl(corpus):
         if config.prompt_field not in row or not isinstance(row[config.prompt_field], str):
@@ -59,7 +57,14 @@ def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig
         rows.append(row)
     if not rows:
         raise CorpusError(f"{corpus} holds no prompts")
-    rows = rows[: config.limit]
+    return rows[: config.limit]
+
+
+@torch.inference_mode()
+def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig,
+               progress: bool = True) -> int:
+    """Append the target's responses for the prompts of `corpus` to `out`; returns rows done."""
+    rows = read_prompt_rows(corpus, config)
     done = count_done(out)
     if done > len(rows):
         raise CorpusError(f"{out} has {done} rows but {corpus} only {len(rows)} prompts: "
@@ -88,7 +93,9 @@ def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig
             for i, p in enumerate(prompts):
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
-            output = model.generate(ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+            device = next(model.parameters()).device
+            output = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                    max_new_tokens=config.max_new_tokens,
                                     eos_token_id=eos or None, pad_token_id=pad_id, **options)
             for row, new in zip(batch, output[:, width:].tolist(), strict=True):
                 if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)

@@ -11,6 +11,8 @@ Files in a dense datastore folder:
                       vocabulary allows): values are slices of it, never copies
     doc_starts.npy    int64 [D + 1]: where each document starts in the stream (and the end), so
                       that a value stops at its document's end instead of running into the next
+                      (the paper pads values with EOS; a cut value is just a shorter draft)
+    sparse/           with `--kind dense,sparse` only: REST's suffix array (sparse_store.py)
 
 Build (`build_dense`), as the authors do it but resumable and in one forward per document:
   1. tokenize the corpus (corpus.py); plan chunks of length-sorted documents;
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +130,7 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
     """Yield (document index, key states [num_keys, d] float32) for `docs` (sorted by length),
     forwarding right-padded batches of at most `batch_tokens` padded tokens."""
     decoder = model.base_model  # the LM head is not needed: states only
+    device = next(model.parameters()).device
     start = 0
     while start < len(docs):
         end = start + 1  # grow the batch while (docs so far) x (longest) fits the budget
@@ -140,9 +143,9 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
         for row, doc in enumerate(batch):
             ids[row, : len(doc.ids)] = torch.tensor(doc.ids)
             mask[row, : len(doc.ids)] = 1
-        states = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        states = decoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
         for row, doc in enumerate(batch):
-            yield start + row, states[row, doc.key_start : len(doc.ids) - 1].float()
+            yield start + row, states[row, doc.key_start : len(doc.ids) - 1].float().cpu()
         start = end
 
 
@@ -156,138 +159,182 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     folder, whose kind is then "dense,sparse".
     """
     config = config or DenseBuildConfig()
-    kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
-    model, tokenizer = target.model, target.tokenizer
-    docs = tokenize_corpus(tokenizer, spec)
+    context = getattr(target.model.config, "max_position_embeddings", None)
+    if context and spec.max_tokens > context:  # one forward never exceeds the model's context
+        spec = replace(spec, max_tokens=context)
+    docs = tokenize_corpus(target.tokenizer, spec)
     total_keys = sum(d.num_keys for d in docs)
     if total_keys <= config.pca_dim:
         raise CorpusError(f"the corpus has {total_keys} key positions; a PCA to "
                           f"{config.pca_dim} dimensions needs more (use a bigger corpus or a "
                           "smaller --pca-dim)")
-    hidden_size = model.config.hidden_size
+    hidden_size = target.model.config.hidden_size
     if config.pca_dim > hidden_size:
         raise ValueError(f"--pca-dim {config.pca_dim} exceeds the hidden size {hidden_size}")
-    fingerprints = {"model": target.name, "model_fingerprint": model_fingerprint(model),
-                    "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
-    spec_fields = {k: v for k, v in asdict(spec).items() if k != "sources"}
-    plan = {"kind": kind, **fingerprints, "corpus": corpus_fingerprint(spec),
-            "corpus_spec": spec_fields, "config": asdict(config)}
-    build = AtomicBuild(out)
-    build.start(plan)
-    if progress and build.resumed:
-        print(f"dresd: resuming the unfinished build in {build.dir}", file=sys.stderr)
+    return _DenseBuild(target, spec, docs, config, out, progress, with_sparse).run()
 
-    # Token stream and document boundaries, in corpus order: the values live here.
-    lengths = np.array([len(d.ids) for d in docs], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)])
-    chunks = plan_chunks(docs, config)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    bar = tqdm(total=int(lengths.sum()), unit="tok", unit_scale=True, disable=not progress,
-               desc="dresd build", smoothing=0.1)
+class _DenseBuild:
+    """The steps of one build; chunk files in `build.chunks` carry the state between them:
 
-    def forward_chunk(number: int, chunk: Chunk, transform: KeyTransform | None) -> None:
-        chunk_docs = [docs[n] for n in chunk.docs]
+        NNNNN.offsets.npy  stream positions of the chunk's keys (every chunk)
+        NNNNN.states.npy   raw fp16 hidden states (fit chunks, until the transform exists)
+        NNNNN.keys.npy     fp16 keys (every chunk, once done; NNNNN.done marks it)
+    """
+
+    def __init__(self, target: Target, spec: CorpusSpec, docs: list[TokenizedDocument],
+                 config: DenseBuildConfig, out: str | Path, progress: bool,
+                 with_sparse: bool = False) -> None:
+        self.target, self.spec, self.docs, self.config = target, spec, docs, config
+        self.progress, self.with_sparse = progress, with_sparse
+        self.kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
+        self.model = target.model
+        self.num_keys = sum(d.num_keys for d in docs)
+        # Token stream and document boundaries, in corpus order: the values live there.
+        lengths = np.array([len(d.ids) for d in docs], dtype=np.int64)
+        self.doc_starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.chunks = plan_chunks(docs, config)
+        self.token_dtype = np.uint16 if self.model.config.vocab_size <= 2**16 else np.uint32
+        tokenizer = target.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.plan = {"kind": self.kind, "model": target.name,
+                     "model_fingerprint": model_fingerprint(self.model),
+                     "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                     "corpus": corpus_fingerprint(spec),
+                     "corpus_spec": {k: v for k, v in asdict(spec).items() if k != "sources"},
+                     "config": asdict(config)}
+        self.build = AtomicBuild(out)
+
+    def run(self) -> Path:
+        self.build.start(self.plan)
+        if self.progress and self.build.resumed:
+            print(f"dresd: resuming the unfinished build in {self.build.dir}", file=sys.stderr)
+        bar = tqdm(total=int(self.doc_starts[-1]), unit="tok", unit_scale=True,
+                   disable=not self.progress, desc="dresd build", smoothing=0.1)
+        fit_chunks = [n for n, c in enumerate(self.chunks) if c.fit]
+        other_chunks = [n for n, c in enumerate(self.chunks) if not c.fit]
+        # 1. Fit chunks: forward a random sample of documents, keep their raw states.
+        for number in fit_chunks:
+            if not (self.build.chunk_done(number) or self._raw_path(number).exists()):
+                self.forward_chunk(number, transform=None)
+            bar.update(self._chunk_tokens(number))
+        # 2. The transform, from the sample's running sums; then the sample's own keys.
+        transform = self.fit_transform(fit_chunks)
+        for number in fit_chunks:
+            if not self.build.chunk_done(number):
+                raw = np.load(self._raw_path(number))
+                self._save_keys(number, transform.apply(raw))
+                self._raw_path(number).unlink()
+        # 3. Every other chunk: forward, transform, write.
+        for number in other_chunks:
+            if not self.build.chunk_done(number):
+                self.forward_chunk(number, transform)
+            bar.update(self._chunk_tokens(number))
+        bar.close()
+        # 4. Join the chunks, write the values, build the index, finish.
+        keys_path, offsets = self.join_chunks()
+        files, stream = self.write_values(offsets)
+        keys = np.load(keys_path, mmap_mode="r")
+        index_kind = key_index.choose_kind(self.config.index, self.num_keys)
+        index_settings = key_index.build_index(index_kind, keys, self.build.dir,
+                                               self.config.recall_target)
+        del keys
+        files += key_index.index_files(index_kind, self.build.dir)
+        if self.with_sparse:  # REST's suffix array over the same token stream
+            sparse_files, sparse_settings = write_sparse_part(stream, self.doc_starts,
+                                                              self.build.dir)
+            files += sparse_files
+            index_settings = {**index_settings, "sparse": sparse_settings}
+        if index_kind != "exact" and not self.config.keep_keys:
+            keys_path.unlink()  # the index holds the keys: do not store them twice
+        elif key_index.KEYS_FILE not in files:
+            files.append(key_index.KEYS_FILE)
+        return self.build.finish(self.manifest(transform, index_settings), files)
+
+    def _chunk_tokens(self, number: int) -> int:
+        return sum(len(self.docs[n].ids) for n in self.chunks[number].docs)
+
+    def _raw_path(self, number: int) -> Path:
+        return self.build.chunk_path(number, "states.npy")
+
+    def _save_keys(self, number: int, keys: np.ndarray) -> None:
+        save_npy_atomic(self.build.chunk_path(number, "keys.npy"), keys.astype(np.float16))
+        self.build.mark_chunk_done(number)  # only after its files are complete
+
+    def forward_chunk(self, number: int, transform: KeyTransform | None) -> None:
+        """Hidden states of one chunk's key positions: keys if `transform`, else raw states."""
+        chunk = self.chunks[number]
+        chunk_docs = [self.docs[n] for n in chunk.docs]
         states, offsets = [], []
-        for i, h in hidden_states(model, chunk_docs, config.batch_tokens, pad_id):
+        for i, h in hidden_states(self.model, chunk_docs, self.config.batch_tokens, self.pad_id):
             doc = chunk_docs[i]
             states.append(h.half().numpy())
             positions = np.arange(doc.key_start, len(doc.ids) - 1)
-            offsets.append(doc_starts[chunk.docs[i]] + positions)
+            offsets.append(self.doc_starts[chunk.docs[i]] + positions)
         raw = np.concatenate(states)
-        offsets_array = np.concatenate(offsets)
-        save_npy_atomic(build.chunk_path(number, "offsets.npy"), offsets_array)
+        save_npy_atomic(self.build.chunk_path(number, "offsets.npy"), np.concatenate(offsets))
         if transform is None:  # a fit chunk: raw states wait for the transform
-            save_npy_atomic(build.chunk_path(number, "states.npy"), raw)
+            save_npy_atomic(self._raw_path(number), raw)
         else:
-            save_npy_atomic(build.chunk_path(number, "keys.npy"),
-                            transform.apply(raw).astype(np.float16))
-            build.mark_chunk_done(number)
+            self._save_keys(number, transform.apply(raw))
 
-    # 1. Fit chunks: forward a random sample of documents, keep their raw states.
-    for number, chunk in enumerate(chunks):
-        if chunk.fit and not (build.chunk_done(number) or build.chunk_path(number, "states.npy")
-                              .exists()):
-            forward_chunk(number, chunk, None)
-        bar.update(sum(len(docs[n].ids) for n in chunk.docs) if chunk.fit else 0)
-
-    # 2. The transform, from the sample's running sums; then the sample's own keys.
-    transform_path = build.dir / TRANSFORM_FILE
-    if transform_path.exists():
-        transform = KeyTransform.load(transform_path)
-    else:
-        stats = StatsAccumulator(hidden_size)
-        for number, chunk in enumerate(chunks):
-            if chunk.fit:
-                stats.add(np.load(build.chunk_path(number, "states.npy")))
-        transform = stats.fit(config.pca_dim)
-        tmp = transform_path.with_name("transform.tmp.npz")
+    def fit_transform(self, fit_chunks: list[int]) -> KeyTransform:
+        """The transform fitted on the fit chunks' raw states (or the one a resumed build saved)."""
+        path = self.build.dir / TRANSFORM_FILE
+        if path.exists():
+            return KeyTransform.load(path)
+        stats = StatsAccumulator(self.model.config.hidden_size)
+        for number in fit_chunks:
+            stats.add(np.load(self._raw_path(number)))
+        transform = stats.fit(self.config.pca_dim)
+        tmp = path.with_name("transform.tmp.npz")
         transform.save(tmp)
-        tmp.replace(transform_path)
-    for number, chunk in enumerate(chunks):
-        if chunk.fit and not build.chunk_done(number):
-            raw_path = build.chunk_path(number, "states.npy")
-            save_npy_atomic(build.chunk_path(number, "keys.npy"),
-                            transform.apply(np.load(raw_path)).astype(np.float16))
-            build.mark_chunk_done(number)
-            raw_path.unlink()
+        tmp.replace(path)
+        return transform
 
-    # 3. Every other chunk: forward, transform, write.
-    for number, chunk in enumerate(chunks):
-        if chunk.fit:
-            continue
-        if not build.chunk_done(number):
-            forward_chunk(number, chunk, transform)
-        bar.update(sum(len(docs[n].ids) for n in chunk.docs))
-    bar.close()
+    def join_chunks(self) -> tuple[Path, np.ndarray]:
+        """All chunks' keys into one fp16 `keys.npy` (written in place, memory-mapped) and
+        their stream offsets into one array, in chunk order: entry ids follow that order."""
+        keys_path = self.build.dir / key_index.KEYS_FILE
+        keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=np.float16,
+                                         shape=(self.num_keys, self.config.pca_dim))
+        wide = self.doc_starts[-1] >= 2**32
+        offsets = np.empty(self.num_keys, dtype=np.int64 if wide else np.uint32)
+        row = 0
+        for number in range(len(self.chunks)):
+            chunk_keys = np.load(self.build.chunk_path(number, "keys.npy"))
+            keys[row : row + len(chunk_keys)] = chunk_keys
+            offsets[row : row + len(chunk_keys)] = np.load(
+                self.build.chunk_path(number, "offsets.npy"))
+            row += len(chunk_keys)
+        keys.flush()
+        return keys_path, offsets
 
-    # 4. Join the chunks, write the values, build the index, finish.
-    keys_path = build.dir / key_index.KEYS_FILE
-    keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=np.float16,
-                                     shape=(total_keys, config.pca_dim))
-    stream_len = int(doc_starts[-1])
-    offsets = np.empty(total_keys, dtype=np.uint32 if stream_len < 2**32 else np.int64)
-    row = 0
-    for number in range(len(chunks)):
-        chunk_keys = np.load(build.chunk_path(number, "keys.npy"))
-        keys[row : row + len(chunk_keys)] = chunk_keys
-        offsets[row : row + len(chunk_keys)] = np.load(build.chunk_path(number, "offsets.npy"))
-        row += len(chunk_keys)
-    keys.flush()
-    token_dtype = np.uint16 if model.config.vocab_size <= 2**16 else np.uint32
-    stream = np.concatenate([np.asarray(d.ids, dtype=token_dtype) for d in docs])
-    save_npy_atomic(build.dir / OFFSETS_FILE, offsets)
-    save_npy_atomic(build.dir / STREAM_FILE, stream)
-    save_npy_atomic(build.dir / DOC_STARTS_FILE, doc_starts)
+    def write_values(self, offsets: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """The value files: offsets, the token stream (each token once), document bounds;
+        returns their names and the stream."""
+        stream = np.concatenate([np.asarray(d.ids, dtype=self.token_dtype) for d in self.docs])
+        save_npy_atomic(self.build.dir / OFFSETS_FILE, offsets)
+        save_npy_atomic(self.build.dir / STREAM_FILE, stream)
+        save_npy_atomic(self.build.dir / DOC_STARTS_FILE, self.doc_starts)
+        return [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE], stream
 
-    index_kind = key_index.choose_kind(config.index, total_keys)
-    index_settings = key_index.build_index(index_kind, keys, build.dir, config.recall_target)
-    files = [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE]
-    files += key_index.index_files(index_kind, build.dir)
-    sparse_settings = {}
-    if with_sparse:
-        sparse_files, sparse_settings = write_sparse_part(stream, doc_starts, build.dir)
-        files += sparse_files
-    del keys
-    if index_kind != "exact" and not config.keep_keys:
-        keys_path.unlink()  # the index holds the keys: do not store them twice
-    elif key_index.KEYS_FILE not in files:
-        files.append(key_index.KEYS_FILE)
-    manifest = Manifest(
-        kind=kind, model=target.name, model_fingerprint=fingerprints["model_fingerprint"],
-        tokenizer_fingerprint=fingerprints["tokenizer_fingerprint"],
-        vocab_size=model.config.vocab_size, num_entries=total_keys,
-        num_corpus_tokens=stream_len, num_documents=len(docs), corpus=plan["corpus"],
-        settings={"hidden_size": hidden_size, "pca_dim": config.pca_dim,
-                  "value_len": config.value_len, "key_dtype": "float16",
-                  "token_dtype": np.dtype(token_dtype).name,
-                  "transform_sample": int(sum(docs[n].num_keys for c in chunks if c.fit
-                                              for n in c.docs)),
-                  "pca_explained_variance": transform.explained,
-                  "corpus_spec": spec_fields, **index_settings,
-                  **({"sparse": sparse_settings} if with_sparse else {})},
-    )
-    return build.finish(manifest, files)
+    def manifest(self, transform: KeyTransform, index_settings: dict) -> Manifest:
+        sample = sum(self.docs[n].num_keys for c in self.chunks if c.fit for n in c.docs)
+        return Manifest(
+            kind=self.kind, model=self.target.name,
+            model_fingerprint=self.plan["model_fingerprint"],
+            tokenizer_fingerprint=self.plan["tokenizer_fingerprint"],
+            vocab_size=self.model.config.vocab_size, num_entries=self.num_keys,
+            num_corpus_tokens=int(self.doc_starts[-1]), num_documents=len(self.docs),
+            corpus=self.plan["corpus"],
+            settings={"hidden_size": self.model.config.hidden_size,
+                      "pca_dim": self.config.pca_dim, "value_len": self.config.value_len,
+                      "key_dtype": "float16", "token_dtype": np.dtype(self.token_dtype).name,
+                      "transform_sample": int(sample),
+                      "pca_explained_variance": transform.explained,
+                      "corpus_spec": self.plan["corpus_spec"], **index_settings},
+        )
 
 
 class DenseDatastore:

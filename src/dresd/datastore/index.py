@@ -9,8 +9,9 @@ Three backends behind one small interface (`search(queries, k) -> (scores, ids)`
   keys are not stored twice). `nprobe` is the smallest power of two whose recall@10 against
   exact search on a sample of queries reaches `recall_target`; it is recorded in the manifest.
   The index is opened memory-mapped (`IO_FLAG_MMAP_IFC`): opening costs no copy of the lists.
-- `scann`: ScaNN with the paper's configuration (tree + asymmetric hashing + reordering),
-  optional: `pip install dresd[scann]`.
+- `scann`: ScaNN, the paper's search library, in its standard configuration (tree +
+  anisotropic asymmetric hashing + exact reordering; the paper's exact parameters are not
+  restated here), optional: `pip install dresd[scann]`.
 
 `auto` picks `exact` below `EXACT_MAX_ENTRIES` entries and `ivf` above.
 """
@@ -149,7 +150,7 @@ def _choose_nprobe(index, keys: np.ndarray, target: float,
 
 
 def build_scann(keys: np.ndarray, folder: Path, k: int = 50) -> dict:
-    """ScaNN as the paper configures it: a partitioning tree (~sqrt(N) leaves, 10% searched),
+    """ScaNN in its standard configuration: a partitioning tree (~sqrt(N) leaves, 10% searched),
     anisotropic asymmetric hashing (2 dims per block, threshold 0.2), exact reordering of the
     best 100."""
     scann = import_scann()

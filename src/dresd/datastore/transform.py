@@ -31,12 +31,13 @@ class StatsAccumulator:
         self.sum = np.zeros(dim, dtype=np.float64)
         self.sum_outer = np.zeros((dim, dim), dtype=np.float64)
 
-    def add(self, states: np.ndarray) -> None:
-        """Add rows of `states` [n, d]."""
-        x = np.asarray(states, dtype=np.float64)
-        self.count += len(x)
-        self.sum += x.sum(axis=0)
-        self.sum_outer += x.T @ x
+    def add(self, states: np.ndarray, block: int = 8192) -> None:
+        """Add rows of `states` [n, d], `block` rows at a time (bounded float64 copies)."""
+        for start in range(0, len(states), block):
+            x = np.asarray(states[start : start + block], dtype=np.float64)
+            self.count += len(x)
+            self.sum += x.sum(axis=0)
+            self.sum_outer += x.T @ x
 
     def fit(self, dim: int) -> KeyTransform:
         """The transform to `dim` dimensions; needs more samples than `dim`."""
