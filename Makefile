@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# The demo: a dense + sparse datastore of 2,000 GSM8K training answers (built once, ~3 min on
+# The demo: a dense + sparse datastore of 600 GSM8K training answers (built once, ~4 min on
 # 2 cores), then AR, PLD, REST and DReSD side by side on the first GSM8K test questions.
 DATA       ?= ../shared/data
 DEMO_STORE := runs/demo-gsm8k-store
@@ -27,11 +27,11 @@ model: $(STAMP)
 
 $(DEMO_STORE)/manifest.json: | model
 	$(BIN)/dresd build --kind dense,sparse --corpus $(DATA)/gsm8k/train.jsonl \
-		--prompt-field question --response-field answer --limit 2000 --out $(DEMO_STORE)
+		--prompt-field question --response-field answer --limit 600 --out $(DEMO_STORE)
 
 demo: model $(DEMO_STORE)/manifest.json
 	$(BIN)/dresd bench --methods ar,pld,rest,dresd --datastore $(DEMO_STORE) --dataset gsm8k \
-		--limit 8 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
+		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
