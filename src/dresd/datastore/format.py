@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.models import file_sha256
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "plan.json"  # in the partial folder: what is being built, to check a resume is the same
@@ -77,14 +79,6 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     for tensor in tensors:
         digest.update(tensor.detach().to(torch.float32).flatten()[:65536].cpu().numpy().tobytes())
     return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass
