@@ -73,7 +73,18 @@ def test_report_is_complete_and_consistent(tiny_model_dir, dataset, tmp_path):
     assert "| pld |" in (out / "report.md").read_text()
 
 
-def test_sigint_leaves_a_valid_partial_report(tiny_model_dir, dataset, tmp_path, monkeypatch):
+@pytest.fixture()
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as in a terminal. Python sets this up only where SIGINT
+    was not ignored at start-up, and a job a non-interactive shell starts in the background
+    (as CI may run the tests) ignores it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_leaves_a_valid_partial_report(tiny_model_dir, dataset, tmp_path, monkeypatch,
+                                              sigint_raises):
     calls = {"n": 0}
     original = MethodRunner.generate
 
