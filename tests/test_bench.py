@@ -52,6 +52,7 @@ def test_report_is_complete_and_consistent(tiny_model_dir, dataset, tmp_path):
     report = json.loads((out / "report.json").read_text())
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert not report["meta"]["interrupted"] and report["meta"]["threads"] == 1
+    assert report["meta"]["drafter_options"]["pld"]["max_ngram"] == 3
     assert set(report["methods"]) == set(METHODS)
     assert set(report["categories"]["prompts"]) == {"a", "b"}
     ar_outputs = {o["prompt_index"]: o["token_ids"] for o in outputs if o["method"] == "ar"}

@@ -295,6 +295,13 @@ def _figure_line(record: dict) -> str:
     return line
 
 
+def drafter_settings(drafter: object) -> dict:
+    """A drafter's plain options (numbers, strings), for the record."""
+    fields = getattr(drafter, "__dataclass_fields__", {})
+    values = {name: getattr(drafter, name) for name, f in fields.items() if f.repr}
+    return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import datetime
     import platform
@@ -332,7 +339,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "drafter_options": {r.method: drafter_settings(r.drafter) for r in runners if r.drafter},
     }
+    if args.datastore and (args.datastore / "manifest.json").is_file():
+        meta["datastore"] = str(args.datastore)
+        meta["datastore_manifest"] = json.loads((args.datastore / "manifest.json").read_text())
     records, interrupted = run_bench(runners, prompts, prompt_ids)
     meta["interrupted"] = interrupted
     report = build_report(records, methods, meta)

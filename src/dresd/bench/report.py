@@ -99,7 +99,10 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# dresd bench: {meta['model']}", ""]
     lines.append(", ".join(f"{k}: {v}" for k, v in meta.items()
-                           if k not in ("model", "datastore_manifest")))
+                           if k not in ("model", "drafter_options", "datastore_manifest")))
+    lines.append("")
+    for method, options in meta.get("drafter_options", {}).items():
+        lines.append(f"- {method}: " + ", ".join(f"{k}={v}" for k, v in options.items()))
     if meta.get("interrupted"):
         lines += ["", "**Interrupted: partial results over the prompts that finished.**"]
     lines += ["", "## All prompts", "", *markdown_table(report["methods"])]
