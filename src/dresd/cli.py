@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -344,6 +345,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.datastore and (args.datastore / "manifest.json").is_file():
         meta["datastore"] = str(args.datastore)
         meta["datastore_manifest"] = json.loads((args.datastore / "manifest.json").read_text())
+    # Ctrl-C or `kill -INT` ends the run with a partial report, also where the shell that
+    # started us in the background made it ignore SIGINT (Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     records, interrupted = run_bench(runners, prompts, prompt_ids)
     meta["interrupted"] = interrupted
     report = build_report(records, methods, meta)
