@@ -49,3 +49,6 @@ bench gsm8k-ood gsm8k-ood gsm8k "$GSM8K_PROMPTS" > "$RESULTS/gsm8k-ood.log" 2>&1
 bench gsm8k-id gsm8k-id gsm8k "$GSM8K_PROMPTS" > "$RESULTS/gsm8k-id.log" 2>&1 &
 bench humaneval-stdlib stdlib humaneval 30 > "$RESULTS/humaneval-stdlib.log" 2>&1 &
 wait
+
+# 4. The reports read against the paper's goals.
+.venv/bin/python benchmarks/goals.py "$RESULTS"/*/ > "$RESULTS/summary.md"
