@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# The demo: a dense + sparse datastore of 600 GSM8K training answers (built once, ~4 min on
+# The demo: a dense + sparse datastore of 400 GSM8K training answers (built once, ~3 min on
 # 2 cores), then AR, PLD, REST and DReSD side by side on the first GSM8K test questions.
 DATA       ?= ../shared/data
 DEMO_STORE := runs/demo-gsm8k-store
@@ -27,7 +27,7 @@ model: $(STAMP)
 
 $(DEMO_STORE)/manifest.json: | model
 	$(BIN)/dresd build --kind dense,sparse --corpus $(DATA)/gsm8k/train.jsonl \
-		--prompt-field question --response-field answer --limit 600 --out $(DEMO_STORE)
+		--prompt-field question --response-field answer --limit 400 --out $(DEMO_STORE)
 
 demo: model $(DEMO_STORE)/manifest.json
 	$(BIN)/dresd bench --methods ar,pld,rest,dresd --datastore $(DEMO_STORE) --dataset gsm8k \
