@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec
+from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec, iter_jsonl
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
@@ -196,11 +196,16 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    set_threads(args)
+    return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply --threads (every command that runs the model has it)."""
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
 
 
 def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]) -> dict:
@@ -230,13 +235,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if path.suffix != ".jsonl":
         return [path.read_text(encoding="utf-8")]
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(json.loads(line)[args.prompt_field])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UserError(f"{path}:{number}: no {args.prompt_field!r} field ({err})") from err
+    for number, row in iter_jsonl(path):
+        if args.prompt_field not in row:
+            raise UserError(f"{path}:{number}: no {args.prompt_field!r} field")
+        prompts.append(row[args.prompt_field])
     if not prompts:
         raise UserError(f"prompt file {path} holds no prompts")
     return prompts
@@ -375,8 +377,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from dresd.datastore.dense import DenseBuildConfig, build_dense
     from dresd.datastore.sparse_store import build_sparse_datastore
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     spec = corpus_spec_from_args(args)
     if args.kind == "sparse":  # no forward pass: the dense options do not apply
         out = build_sparse_datastore(load_target(args.model), spec, args.out,
@@ -397,8 +398,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_regenerate(args: argparse.Namespace) -> int:
     from dresd.regenerate import RegenerateConfig, read_prompt_rows, regenerate
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
         raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
     if not args.corpus.is_file():

@@ -11,11 +11,11 @@ Any JSON Lines file works too, with a prompt field and an optional category fiel
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from dresd.corpus import iter_jsonl
 
 
 def data_dir() -> Path:
@@ -34,9 +34,7 @@ def data_dir() -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [row for _, row in iter_jsonl(path)]
 
 
 def humaneval() -> list[dict]:
@@ -106,8 +104,8 @@ def _prompts_from_file(path: Path, prompt_field: str, category_field: str) -> li
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} does not exist")
     texts = []
-    for number, row in enumerate(read_jsonl(path), 1):
-        if not isinstance(row, dict) or not isinstance(row.get(prompt_field), str):
+    for number, row in iter_jsonl(path):
+        if not isinstance(row.get(prompt_field), str):
             raise ValueError(f"{path}: row {number} has no text field {prompt_field!r}")
         texts.append((row[prompt_field], str(row.get(category_field, "all"))))
     if not texts:
