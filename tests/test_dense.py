@@ -157,6 +157,21 @@ def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target):
         assert tokens_per_forward >= 3.0, tokens_per_forward
 
 
+@pytest.mark.parametrize("max_tree_nodes", [1, 3, 8])
+def test_dresd_node_budget_keeps_small_trees_and_stays_greedy(datastore, default_target,
+                                                              max_tree_nodes):
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    ids = encode_prompt(default_target.tokenizer, PROMPTS[0])
+    expected = MethodRunner(default_target, AR, settings).generate(ids).token_ids
+    runner = MethodRunner(default_target, "dresd", settings, datastore=str(datastore),
+                          max_tree_nodes=max_tree_nodes)
+    result = runner.generate(ids)
+    assert result.token_ids == expected
+    assert max(step.num_drafted for step in result.steps) == max_tree_nodes
+    # The stored response continues alike from every neighbour: a chain, long accepted runs.
+    assert len(result.token_ids) / result.num_target_forwards >= 1.5
+
+
 def test_unrelated_prompt_is_still_exact(datastore, default_target):
     settings = GenerationSettings(max_new_tokens=24)
     ids = encode_prompt(default_target.tokenizer, "Name a colour of the rainbow.")

@@ -15,6 +15,7 @@ from corpus_helpers import SEP, concat, random_docs
 from dresd.datastore.sparse import build_sparse
 from dresd.decoding import speculative_generate
 from dresd.drafters import DraftContext, RestDrafter, make_drafter
+from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import default_model_dir
 
 torch.set_num_threads(1)
@@ -52,16 +53,36 @@ def brute_force_rest(docs: list[list[int]], context: list[int], max_suffix=16, m
             return -1 if stream[i : i + 64] < stream[j : j + 64] else 1
         matches = sorted(matches, key=functools.cmp_to_key(compare_suffixes))[:max_matches]
 
+    return brute_force_top_prefixes([docs[d][i + n : i + n + draft_len] for d, i in matches],
+                                    max_tree_nodes)
+
+
+def brute_force_top_prefixes(continuations: list[list[int]], max_nodes: int
+                             ) -> list[tuple[int, ...]]:
+    """Count every prefix of every continuation; rank by (count desc, length asc, tokens asc);
+    keep the first `max_nodes`; return the kept prefixes no kept prefix extends, in rank order."""
     counts: dict[tuple[int, ...], int] = {}
-    for d, i in matches:
-        continuation = docs[d][i + n : i + n + draft_len]
+    for continuation in continuations:
         for length in range(1, len(continuation) + 1):
             prefix = tuple(continuation[:length])
             counts[prefix] = counts.get(prefix, 0) + 1
     ranked = sorted(counts, key=lambda p: (-counts[p], len(p), p))
-    kept = ranked[:max_tree_nodes]
+    kept = ranked[:max_nodes]
     extended = {p[:-1] for p in kept}
     return [p for p in kept if p not in extended]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefix_tree_drafts_equal_brute_force(seed):
+    """Any token ids (0 included), repeats and empty rows, every node budget."""
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 6))  # few tokens: many shared prefixes and ties
+    continuations = [rng.integers(vocab, size=int(rng.integers(0, 7))).tolist()
+                     for _ in range(int(rng.integers(1, 30)))]
+    for max_nodes in (1, 2, 3, 5, 8, 64):
+        got = [tuple(d) for d in prefix_tree_drafts(continuations, max_nodes)]
+        assert got == brute_force_top_prefixes(continuations, max_nodes), max_nodes
+        assert len(tree_nodes(got)) <= max_nodes
 
 
 def rest_drafts(index, context: list[int], max_draft_len: int = 100, **options):

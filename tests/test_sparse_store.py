@@ -160,7 +160,7 @@ def test_cli_build_inspect_generate(tmp_path, source_tree, default_target, capsy
     common = ["generate", "--prompt", "Import the heapq module.", "--max-new-tokens", "12",
               "--json"]
     assert main([*common, "--method", "rest", "--datastore", str(out),
-                 "--rest-tree-nodes", "8"]) == 0
+                 "--max-tree-nodes", "8"]) == 0
     rest = json.loads(capsys.readouterr().out)
     assert 0 < rest["drafted_tokens_per_step"] <= 8  # the option reached the drafter
     assert main([*common, "--method", "ar"]) == 0

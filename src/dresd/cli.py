@@ -182,8 +182,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="rest: shortest context suffix looked up (default 2)")
     p.add_argument("--rest-matches", type=int, default=None, dest="max_matches",
                    help="rest: matches whose continuations are counted (default 5000)")
-    p.add_argument("--rest-tree-nodes", type=int, default=None, dest="max_tree_nodes",
-                   help="rest: draft-tree nodes kept, the most frequent prefixes (default 64)")
+    p.add_argument("--max-tree-nodes", type=int, default=None,
+                   help="rest, dresd: draft-tree nodes kept, the most frequent prefixes of the "
+                        "retrieved continuations (rest default 64; dresd default: none, the "
+                        "paper's --num-drafts x --draft-len shape)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:

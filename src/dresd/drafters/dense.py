@@ -10,8 +10,14 @@ first step, the prefill) computed already, so drafting costs no forward. Then:
     keep entry e if value(e)[0] == bonus token   its context predicted the same next token
     draft(e) = value(e)[1 : 1 + len_drafts]      what followed it in the corpus
 
-Drafts keep the ANN rank order; identical drafts are kept once (the token tree would merge them
-anyway, and a distinct one is worth more), and at most `num_drafts` are returned.
+The paper's shape (the default): drafts keep the ANN rank order; identical drafts are kept once
+(the token tree would merge them anyway, and a distinct one is worth more), and at most
+`num_drafts` are returned, so the tree has up to num_drafts x len_drafts nodes.
+
+With a node budget (`max_tree_nodes` = N) the tree is picked as REST picks its own: every kept
+entry's draft is counted and the N most frequent prefixes are kept (`drafters/prefixes.py`).
+Where a verify forward grows dear with the tree (on a CPU, `benchmarks/results/engine.md`) a
+small tree of the prefixes most neighbours agree on pays better than the paper's wide one.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 
 from dresd.datastore.dense import DenseDatastore
 from dresd.drafters.base import Draft, DraftContext
+from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target
 
 
@@ -31,12 +38,17 @@ class DenseDrafter:
     k: int = 50  # neighbours searched (paper: 50)
     num_drafts: int = 10  # drafts per step at most (paper: 10)
     len_drafts: int = 10  # tokens per draft at most (paper: 10)
+    # None: the paper's shape (num_drafts drafts in ANN rank order); N: a tree of the N most
+    # frequent prefixes of every kept entry's draft (num_drafts then does not apply)
+    max_tree_nodes: int | None = None
     name: str = "dresd"
     store: DenseDatastore = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.num_drafts < 1 or self.len_drafts < 1:
             raise ValueError("DReSD needs k, num_drafts and len_drafts >= 1")
+        if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
+            raise ValueError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
         self.store = DenseDatastore(self.datastore)
 
     def check_target(self, target: Target) -> None:
@@ -55,8 +67,12 @@ class DenseDrafter:
         stream = self.store.stream
         bonus = int(context.token_ids[-1])
         firsts = stream[start].astype(np.int64)
+        kept = zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True)
+        if self.max_tree_nodes is not None:
+            every = [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
+            return prefix_tree_drafts(every, self.max_tree_nodes)
         drafts: list[Draft] = []
-        for begin, stop in zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True):
+        for begin, stop in kept:
             draft = stream[begin : min(stop, begin + draft_len)].tolist()
             if draft and draft not in drafts:
                 drafts.append(draft)

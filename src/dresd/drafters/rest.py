@@ -39,6 +39,7 @@ from dresd.datastore.format import Manifest
 from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datastore
 from dresd.drafters.base import Draft, DraftContext
+from dresd.drafters.prefixes import most_frequent_prefixes
 from dresd.models import Target
 
 
@@ -86,53 +87,3 @@ class RestDrafter:
                 return [index.to_token_ids(d).tolist()
                         for d in most_frequent_prefixes(continuations, self.max_tree_nodes)]
         return []
-
-
-def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np.ndarray]:
-    """The leaves of the trie of the `max_nodes` most frequent prefixes of `continuations`.
-
-    `continuations`: int [m, L], rows sorted lexicographically, each row's tokens positive and
-    followed by zeros (row i has length len_i = number of non-zero entries, at least 1).
-    Prefixes are ranked by (count descending, length ascending, tokens ascending); see the module
-    docstring. Returns the kept prefixes that no kept prefix extends, in rank order.
-
-    Sorted rows make the trie explicit: the rows that share a prefix p of length d are a run of
-    consecutive rows, so the nodes at depth d are the runs of rows with len_i >= d between the
-    places where lcp(row i-1, row i) < d, and count(p) is the run's length.
-    """
-    m, width = continuations.shape
-    lengths = (continuations != 0).sum(axis=1)
-    differs = continuations[1:] != continuations[:-1]
-    # lcp[i] = common prefix length of rows i-1 and i (lcp[0] = 0: row 0 starts every run).
-    lcp = np.concatenate([[0], np.where(differs.any(axis=1), differs.argmax(axis=1), width)])
-
-    node_depth, node_row, node_count = [], [], []
-    for depth in range(1, width + 1):
-        run_starts = np.flatnonzero(lcp < depth)
-        run_sizes = np.diff(np.append(run_starts, m))
-        real = lengths[run_starts] >= depth  # a run of rows that end before `depth` is no node
-        node_depth.append(np.full(int(real.sum()), depth))
-        node_row.append(run_starts[real])
-        node_count.append(run_sizes[real])
-    depth, row, count = (np.concatenate(a) for a in (node_depth, node_row, node_count))
-    # The nodes are listed by depth, then by first row, which within one depth is token order:
-    # the tie-break order already. So the ranking is a stable sort by count, of which only the
-    # first max_nodes are needed: those above the max_nodes-th largest count, then the first
-    # nodes listed at that count.
-    if len(count) > max_nodes:
-        threshold = np.partition(count, len(count) - max_nodes)[len(count) - max_nodes]
-        above = np.flatnonzero(count > threshold)
-        at = np.flatnonzero(count == threshold)[: max_nodes - len(above)]
-        candidates = np.concatenate([above, at])
-    else:
-        candidates = np.arange(len(count))
-    kept = candidates[np.argsort(-count[candidates], kind="stable")]
-
-    # A kept node is a leaf of the kept trie when no kept node one deeper starts in its run.
-    kd, kr, kc = depth[kept], row[kept], count[kept]
-    child = (kd[None, :] == kd[:, None] + 1) & (kr[None, :] >= kr[:, None]) & (
-        kr[None, :] < (kr + kc)[:, None])
-    leaves = [continuations[r, :d] for d, r, has_child in zip(kd, kr, child.any(axis=1),
-                                                              strict=True) if not has_child]
-    return leaves
-
