@@ -110,3 +110,18 @@ def test_dataset_without_the_prompt_field(capsys, tmp_path):
     path.write_text('{"question": "hi"}\n')
     code = main(["bench", "--dataset", str(path), "--out", str(tmp_path / "out")])
     assert code == 2 and "row 1 has no text field 'prompt'" in capsys.readouterr().err
+
+
+def test_built_in_datasets_load_with_their_categories():
+    from dresd.datasets import data_dir, load_prompts, read_jsonl
+
+    assert len(load_prompts("gsm8k")) == 1319 and len(load_prompts("humaneval", limit=7)) == 7
+    every = load_prompts("mt_bench")
+    rows = read_jsonl(data_dir() / "mt_bench" / "question.jsonl")
+    assert sorted(p.text for p in every) == sorted(row["turns"][0] for row in rows)
+    categories = {row["category"] for row in rows}
+    first = load_prompts("mt_bench", limit=2 * len(categories))
+    # The categories in turn: any --limit is a balanced sample.
+    assert all(sum(p.category == c for p in first) == 2 for c in categories)
+    assert [p.text for p in first if p.category == "writing"] == [
+        row["turns"][0] for row in rows if row["category"] == "writing"][:2]

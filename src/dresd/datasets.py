@@ -4,7 +4,8 @@ Built-in sets (`load_prompts(name)`):
 - `humaneval`: the 164 function stubs (signature + docstring) to complete;
 - `humaneval-typehints`: "add type hints" requests on the canonical solutions (copy-heavy);
 - `gsm8k`: the 1,319 test questions;
-- `mt_bench`: the 80 first turns, with their categories.
+- `mt_bench`: the 80 first turns, with their categories, taken from the categories in turn
+  (so that `--limit 16` is 2 prompts of each of the 8 categories).
 Any JSON Lines file works too, with a prompt field and an optional category field.
 """
 
@@ -88,7 +89,7 @@ def load_prompts(
         texts = [(row["question"], "all") for row in read_jsonl(data_dir() / "gsm8k/test.jsonl")]
     elif name == "mt_bench":
         rows = read_jsonl(data_dir() / "mt_bench" / "question.jsonl")
-        texts = [(row["turns"][0], row["category"]) for row in rows]
+        texts = round_robin([(row["turns"][0], row["category"]) for row in rows])
     elif name.endswith((".jsonl", ".jsonl.gz")):
         texts = _prompts_from_file(Path(name), prompt_field, category_field)
         name = Path(name).name.split(".")[0]
@@ -98,6 +99,17 @@ def load_prompts(
             "or a .jsonl file"
         )
     return [EvalPrompt(name, category, text) for text, category in texts[:limit]]
+
+
+def round_robin(texts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(text, category) pairs reordered to take one of each category in turn, in first-seen
+    category order and file order within a category."""
+    by_category: dict[str, list[tuple[str, str]]] = {}
+    for pair in texts:
+        by_category.setdefault(pair[1], []).append(pair)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0))
+            for queue in queues if i < len(queue)]
 
 
 def _prompts_from_file(path: Path, prompt_field: str, category_field: str) -> list[tuple]:
