@@ -74,6 +74,21 @@ def test_report_is_complete_and_consistent(tiny_model_dir, dataset, tmp_path):
     assert "| pld |" in (out / "report.md").read_text()
 
 
+def test_one_method_with_several_option_sets(tiny_model_dir, dataset, tmp_path):
+    out = tmp_path / "out"
+    methods = "pld, pld[num_drafts=3,max_ngram=2]"
+    assert main(["bench", "--model", str(tiny_model_dir), "--methods", methods, "--dataset",
+                 str(dataset), "--max-new-tokens", "12", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    variant = "pld[num_drafts=3,max_ngram=2]"
+    assert report["meta"]["methods"] == ["ar", "pld", variant]
+    options = report["meta"]["drafter_options"]
+    assert (options["pld"]["num_drafts"], options["pld"]["max_ngram"]) == (1, 3)
+    assert (options[variant]["num_drafts"], options[variant]["max_ngram"]) == (3, 2)
+    assert report["methods"][variant]["identical_fraction"] == 1.0
+    assert report["methods"][variant]["num_prompts"] == 4
+
+
 def test_sigint_leaves_a_valid_partial_report(tiny_model_dir, dataset, tmp_path, monkeypatch):
     calls = {"n": 0}
     original = MethodRunner.generate
@@ -97,7 +112,12 @@ def test_sigint_leaves_a_valid_partial_report(tiny_model_dir, dataset, tmp_path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--methods", "ar,magic"], "unknown method(s) magic"),
+    (["--methods", "ar,magic"], "unknown method 'magic'"),
+    (["--methods", "pld[max_tree_nodes=2]"], "'max_tree_nodes=2' is not OPTION=VALUE with an "
+                                             "option of pld (max_ngram, min_ngram"),
+    (["--methods", "pld[num_drafts]"], "'num_drafts' is not OPTION=VALUE"),
+    (["--methods", "ar[k=3]"], "option of ar (none)"),
+    (["--methods", "pld,pld"], "lists pld twice"),
     (["--dataset", "nonsense"], "unknown dataset 'nonsense'"),
 ])
 def test_bad_bench_arguments(capsys, tmp_path, argv, message):

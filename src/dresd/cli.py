@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bench)
     bench.add_argument("--methods", default="ar,pld",
                        help=f"comma-separated, from {', '.join(METHODS)} (ar is always run: "
-                            "it is the reference)")
+                            "it is the reference); a method may carry its own drafter options, "
+                            "'dresd[max_tree_nodes=2]', to compare shapes in one run")
     bench.add_argument("--dataset", action="append", required=True,
                        help="humaneval, humaneval-typehints, gsm8k, mt_bench or a .jsonl file "
                             "(repeatable)")
@@ -307,6 +309,45 @@ def drafter_settings(drafter: object) -> dict:
     return {k: v for k, v in values.items() if isinstance(v, int | float | str)}
 
 
+# Drafter fields a --methods entry cannot set: they are objects, or shared by the whole run.
+NOT_PER_METHOD = ("datastore", "name", "model")
+
+
+def parse_methods(text: str) -> list[tuple[str, str, dict]]:
+    """(label, method, options) for each entry of --methods: `pld`, or a method with its own
+    drafter options, `dresd[max_tree_nodes=2,k=20]` (so one run can compare shapes)."""
+    specs, seen = [], set()
+    for label in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text.replace(" ", "")):
+        method, _, inside = label.partition("[")
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        fields = getattr(DRAFTERS.get(method), "__dataclass_fields__", {})
+        known = [k for k, f in fields.items() if f.init and k not in NOT_PER_METHOD]
+        options = {}
+        for item in filter(None, inside.rstrip("]").split(",")):
+            key, equals, value = item.partition("=")
+            if not equals or key not in known:
+                raise UserError(f"--methods {label}: {item!r} is not OPTION=VALUE with an option "
+                                f"of {method} ({', '.join(known) or 'none'})")
+            options[key] = parse_number(value)
+        if label in seen:
+            raise UserError(f"--methods lists {label} twice")
+        seen.add(label)
+        specs.append((label, method, options))
+    if not specs:
+        raise UserError("--methods lists no method")
+    return specs
+
+
+def parse_number(value: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import datetime
     import platform
@@ -318,18 +359,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from dresd.datasets import load_prompts
 
     settings = settings_from_args(args)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    methods = [AR] + [m for m in methods if m != AR]
+    specs = parse_methods(args.methods)
+    specs = [(AR, AR, {})] + [spec for spec in specs if spec[0] != AR]
+    methods = [label for label, _, _ in specs]
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
     target = load_target(args.model)
-    options = drafter_options(args, target, methods)
-    runners = [MethodRunner(target, m, settings, **options) for m in methods]
+    options = drafter_options(args, target, [method for _, method, _ in specs])
+    runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
+               for label, method, overrides in specs]
     prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
                   for p in prompts]
     meta = {
@@ -344,7 +384,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "drafter_options": {r.method: drafter_settings(r.drafter) for r in runners if r.drafter},
+        "drafter_options": {r.label: drafter_settings(r.drafter) for r in runners if r.drafter},
     }
     if args.datastore and (args.datastore / "manifest.json").is_file():
         meta["datastore"] = str(args.datastore)

@@ -35,10 +35,16 @@ class MethodRunner:
     """Generates with one method; the same settings make methods comparable."""
 
     def __init__(
-        self, target: Target, method: str, settings: GenerationSettings, **drafter_options
+        self,
+        target: Target,
+        method: str,
+        settings: GenerationSettings,
+        label: str | None = None,
+        **drafter_options,
     ) -> None:
         self.target = target
         self.method = method
+        self.label = label or method  # its name in reports: "dresd[max_tree_nodes=2]"
         self.settings = settings
         self.drafter: Drafter | None = (
             None if method == AR else make_drafter(method, **drafter_options)

@@ -20,7 +20,7 @@ from dresd.runner import MethodRunner
 
 @dataclass
 class BenchRecord:
-    method: str
+    method: str  # the runner's label: a method, or a method with options ("rest[draft_len=4]")
     prompt_index: int
     prompt: EvalPrompt
     result: GenerationResult
@@ -42,8 +42,8 @@ def run_bench(
         for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids, strict=True)):
             row = []
             for runner in runners:
-                bar.set_postfix_str(f"{prompt.dataset} #{index} {runner.method}")
-                row.append(BenchRecord(runner.method, index, prompt, runner.generate(ids)))
+                bar.set_postfix_str(f"{prompt.dataset} #{index} {runner.label}")
+                row.append(BenchRecord(runner.label, index, prompt, runner.generate(ids)))
                 bar.update()
             records.extend(row)  # only whole rows: every method covers the same prompts
     except KeyboardInterrupt:
