@@ -61,7 +61,7 @@ def test_unknown_hub_model_in_a_real_process():
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run(
         [sys.executable, "-m", "dresd.cli", "generate", "--model", "nobody/no-such-model",
-         "--prompt", "hi"], capture_output=True, text=True, env=env, timeout=120)
+         "--prompt", "hi"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "dresd: error: Could not load model 'nobody/no-such-model'" in done.stderr
