@@ -135,8 +135,9 @@ def main() -> None:
     out = RESULTS / "draft_shapes" / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(args.name, result))
-    print(markdown(args.name, result), end="")
+    table_md = markdown(args.name, result)
+    out.with_suffix(".md").write_text(table_md)
+    print(table_md, end="")
     print(f"written {out} and {out.with_suffix('.md').name}")
 
 
@@ -152,6 +153,7 @@ def markdown(name: str, result: dict) -> str:
                      f"| {t['drafted_tokens_per_step']:.1f} | {t['acceptance_rate']:.1%} "
                      f"| {t['mean_step_cost']:.2f} | {t['estimated_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     main()

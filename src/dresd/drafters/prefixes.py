@@ -78,4 +78,3 @@ def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np
     leaves = [continuations[r, :d] for d, r, has_child in zip(kd, kr, child.any(axis=1),
                                                               strict=True) if not has_child]
     return leaves
-
