@@ -33,4 +33,11 @@ def tiny(request) -> torch.nn.Module:
 
 @pytest.fixture(scope="session")
 def default_target() -> Target:
-    return load_target("default")
+    """The default model in float32: token-identical to plain decoding, on any machine."""
+    return load_target("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def default_target_bf16() -> Target:
+    """The default model in bfloat16 with prepacked weights, the fast CPU path."""
+    return load_target("default", dtype="bfloat16")

@@ -19,6 +19,7 @@ from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec, iter_j
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
+from dresd.fastpath import DTYPES, dtype_name, native_bf16_flags, resolve_dtype
 from dresd.metrics import GenerationResult, summarize
 from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-tokens", type=int, default=8_192,
                        help="padded tokens per forward (lower it if memory is short)")
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    _add_dtype_option(build)
     build.add_argument("--device", default="cpu",
                        help="where the target runs the forward: cpu (default), cuda, cuda:1 ...")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    _add_dtype_option(regen)
     regen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 ...")
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
     regen.set_defaults(func=cmd_regenerate)
@@ -157,6 +160,23 @@ def _add_corpus_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="read at most this many documents")
 
 
+def _add_dtype_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="the model's dtype; auto (default): bfloat16 where the hardware "
+                        "multiplies it natively (CPU amx_bf16 or avx512_bf16, CUDA), else "
+                        "float32. float32 output is token-identical to plain decoding; "
+                        "reduced precision may differ at near-ties (see README)")
+
+
+def load_target_from_args(args: argparse.Namespace, device: str = "cpu") -> Target:
+    """The target of --model in --dtype; says which dtype `auto` chose, on stderr."""
+    dtype = resolve_dtype(args.dtype, device)
+    if args.dtype == "auto":
+        why = ", ".join(native_bf16_flags()) or "no native bf16"
+        print(f"dresd: dtype {dtype_name(dtype)} (auto; {device}: {why})", file=sys.stderr)
+    return load_target(args.model, dtype=dtype, device=device)
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hugging Face id, local folder, or 'default' (SmolLM2-135M-Instruct)")
@@ -169,6 +189,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    _add_dtype_option(p)
     p.add_argument("--pld-max-ngram", type=int, default=None, dest="max_ngram")
     p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
     p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
@@ -222,7 +243,7 @@ def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]
     if "draft" in methods:
         if args.draft_model is None:
             raise UserError("--method draft needs --draft-model")
-        draft = load_target(args.draft_model)
+        draft = load_target(args.draft_model, dtype=target.dtype)
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise UserError(f"the draft model {args.draft_model!r} does not share the "
                             f"tokenizer of the target {args.model!r}")
@@ -260,6 +281,7 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
         "tokens_per_s": figures["tokens_per_s"],
         "seconds": figures["seconds"],
         "threads": torch.get_num_threads(),
+        "dtype": dtype_name(runner.target.dtype),
     }
     if runner.method != AR:
         keys = ["mean_accepted_length", "acceptance_rate", "num_target_forwards",
@@ -278,7 +300,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")
-    target = load_target(args.model)
+    target = load_target_from_args(args)
     options = drafter_options(args, target, [args.method])
     runner = MethodRunner(target, args.method, settings, **options)
     for prompt in prompts:
@@ -366,7 +388,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
-    target = load_target(args.model)
+    target = load_target_from_args(args)
     options = drafter_options(args, target, [method for _, method, _ in specs])
     runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
                for label, method, overrides in specs]
@@ -380,7 +402,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": settings.max_new_tokens,
         "sampling": "greedy" if settings.sampling is None else vars(settings.sampling),
         "threads": torch.get_num_threads(),
+        "dtype": dtype_name(target.dtype),
+        "prepacked": bool(getattr(target.model, "_dresd_prepacked", False)),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_native_bf16": native_bf16_flags(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -422,15 +447,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     set_threads(args)
     spec = corpus_spec_from_args(args)
     if args.kind == "sparse":  # no forward pass: the dense options do not apply
-        out = build_sparse_datastore(load_target(args.model), spec, args.out,
+        out = build_sparse_datastore(load_target(args.model, prepack=False), spec, args.out,
                                      progress=not args.quiet)
         print(out)
         return 0
     config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens)
-    target = load_target(args.model)
-    target.model.to(args.device)
+    target = load_target_from_args(args, args.device)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
                       with_sparse=args.kind == "dense,sparse")
     print(out)
@@ -450,8 +474,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               batch_size=args.batch_size, temperature=args.temperature,
                               seed=args.seed, limit=args.limit)
     read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
-    target = load_target(args.model)
-    target.model.to(args.device)
+    target = load_target_from_args(args, args.device)
     rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
     print(f"{args.out}: {rows} responses")
     return 0

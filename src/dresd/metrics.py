@@ -27,6 +27,9 @@ class GenerationResult:
     total_seconds: float = 0.0  # wall clock of the whole call, prefill included
     num_target_forwards: int = 0  # prefill + verify steps (plain decoding: one per token)
     stop_reason: str = ""  # "eos", "stop_string", "max_new_tokens" or "max_length"
+    # Plain decoding (`ar`) only: its two best logits at each new token, so that another
+    # method's divergence from it can be told a near-tie or not (decoding/verify.py).
+    top2_logits: list[tuple[float, float]] | None = None
 
 
 def summarize(results: Iterable[GenerationResult]) -> dict:

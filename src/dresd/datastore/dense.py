@@ -55,6 +55,7 @@ from dresd.datastore.format import (
 from dresd.datastore.sparse_store import KIND as SPARSE_KIND
 from dresd.datastore.sparse_store import kinds, write_sparse_part
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
+from dresd.fastpath import dtype_name
 from dresd.models import Target
 
 KIND = "dense"
@@ -202,7 +203,10 @@ class _DenseBuild:
                      "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                      "corpus": corpus_fingerprint(spec),
                      "corpus_spec": {k: v for k, v in asdict(spec).items() if k != "sources"},
-                     "config": asdict(config)}
+                     "config": asdict(config),
+                     # Keys from a bf16 forward differ in the last bits from fp32 ones: a
+                     # resumed build must not mix them.
+                     "build_dtype": dtype_name(target.dtype)}
         self.build = AtomicBuild(out)
 
     def run(self) -> Path:
@@ -332,6 +336,7 @@ class _DenseBuild:
                       "pca_dim": self.config.pca_dim, "value_len": self.config.value_len,
                       "key_dtype": "float16", "token_dtype": np.dtype(self.token_dtype).name,
                       "transform_sample": int(sample),
+                      "build_dtype": self.plan["build_dtype"],
                       "pca_explained_variance": transform.explained,
                       "corpus_spec": self.plan["corpus_spec"], **index_settings},
         )

@@ -67,7 +67,12 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     Hidden states depend on every weight; hashing all of them would cost seconds for big
     models, so the hash covers the config's shape fields and the weights that differ between
     any two distinct checkpoints in practice (first embedding rows, the last parameters).
+    `load_target` takes it from the checkpoint's own weights before casting them to the
+    run's dtype and stores it on the model: a checkpoint has one fingerprint in every dtype.
     """
+    cached = getattr(model, "_dresd_fingerprint", None)
+    if cached is not None:
+        return cached
     digest = hashlib.sha256()
     config = model.config
     shape = {key: getattr(config, key, None) for key in

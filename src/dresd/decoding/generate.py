@@ -79,7 +79,10 @@ def supports_tree_attention(model: PreTrainedModel) -> bool:
         )
         plain_logits, _ = target_forward(model, torch.tensor([[a, c]]), cache=None)
         scale = plain_logits[1].abs().max().clamp_min(1e-6)
-        ok = bool(((tree_logits[2] - plain_logits[1]).abs().max() / scale) < 1e-3)
+        # A mask that is ignored changes logits by O(1); reduced precision moves them by a
+        # few ulps (bf16: eps = 2^-7), which must not read as "ignored".
+        tolerance = max(1e-3, 8 * torch.finfo(dtype).eps)
+        ok = bool(((tree_logits[2] - plain_logits[1]).abs().max() / scale) < tolerance)
     except Exception:  # noqa: BLE001 - any failure means "cannot take a tree mask"
         ok = False
     model._dresd_tree_attention = ok

@@ -1,0 +1,123 @@
+"""The fast forward on CPUs: bf16 where the hardware multiplies it natively, prepacked weights.
+
+Why it matters for speculative decoding: a verify forward over a tree of t tokens must cost
+close to one decode step, or drafting cannot pay. On a CPU two things decide that.
+
+1. The dtype. A decode step streams every weight once, so its floor is weight bytes / memory
+   bandwidth: bf16 halves it. A tree's extra rows cost multiply-adds, which AVX-512 bf16
+   (`avx512_bf16`, 32 multiply-adds per instruction) or AMX (`amx_bf16`, tiles) do several
+   times faster than fp32 FMAs. `--dtype auto` picks bf16 where the CPU has either, and fp32
+   elsewhere (bf16 emulated in fp32 is slower than fp32 itself).
+2. The weight layout. `torch.nn.functional.linear` hands oneDNN a plain row-major weight and
+   oneDNN reorders it into its blocked layout on every call; for a 135M model that is about a
+   third of the step. `prepack_linears` does the reorder once, at load time, as
+   `torch.compile`'s inductor does with `freezing=True`, and calls the packed matmul directly
+   (no compilation, so no warm-up, and every tree size runs the same kernel family).
+
+Exactness: packing changes no maths, only the memory layout, but the blocked kernel may sum in
+another order than the plain one, so fp32 results move in the last bits (~1e-7 relative).
+Every method (the `ar` reference included) runs the same packed model, so comparisons stay
+like for like; see `decoding/verify.py` for what reduced precision allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# The --dtype choices; "auto" resolves with `resolve_dtype`.
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# CPU flags (as /proc/cpuinfo names them) for native bf16 matrix multiplication.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def native_bf16_flags() -> list[str]:
+    """The native-bf16 flags this CPU has, in `NATIVE_BF16_FLAGS` order."""
+    flags = cpu_flags()
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype for a --dtype value; `auto` is bf16 where the device multiplies it
+    natively (CUDA with bf16 support; a CPU with AMX or AVX-512 bf16), fp32 elsewhere."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    if name != "auto":
+        return DTYPES[name]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if native_bf16_flags() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `bfloat16`, as --dtype spells it."""
+    return str(dtype).removeprefix("torch.")
+
+
+class PackedLinear(torch.nn.Module):
+    """`nn.Linear` with its weight reordered once into oneDNN's blocked layout.
+
+    y = x W^T + b, exactly the linear it replaces; only the weight's memory layout differs.
+    The packed weight is an opaque oneDNN tensor: CPU only, not saved with the model.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The second argument is the expected batch size, a hint for the layout; decode steps
+        # and small trees are the hot path, and the packed weight serves any number of rows.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
+                                                  "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def can_prepack(model: torch.nn.Module) -> bool:
+    """Whether `prepack_linears` applies: a CPU model in fp32 or bf16, with oneDNN built in."""
+    parameter = next(model.parameters())
+    return (parameter.device.type == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear`; returns how many were packed.
+
+    Tied weights (an LM head sharing the embedding matrix) keep the embedding as it is and give
+    the head its own packed copy. Does nothing where `can_prepack` says no.
+    """
+    if not can_prepack(model):
+        return 0
+    packed = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, PackedLinear(child))
+                packed += 1
+    model._dresd_prepacked = True
+    return packed
