@@ -91,6 +91,16 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() == 1:
+            # oneDNN picks another kernel for a single row, one that sums in another order.
+            # Two rows (the row twice) take the kernel every tree uses, so a decode step's row
+            # is bit for bit the same row of a verify forward: batch invariance, for free at
+            # this size (the step streams the weights either way).
+            twice = torch.cat([x, x], dim=-2)
+            return self._linear(twice).narrow(-2, 0, 1)
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
                                                   "")
 
