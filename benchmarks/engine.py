@@ -1,15 +1,20 @@
-"""Engine benchmark: what a token tree costs to verify, and PLD against AR on copy-heavy prompts.
+"""Engine benchmark: what a decode step and a token tree cost in each dtype, and PLD against AR.
 
-1. Verify cost: one target forward over a token tree of 1, 2, 4, ..., 64 nodes on top of a
-   warm KV cache, relative to a one-token decode step (tree size 1). Sizes are interleaved
-   within each repetition so that machine drift hits all of them alike; medians are reported.
-2. PLD vs AR: tokens/s and mean accepted length on "add type hints" requests over HumanEval
-   solutions (the output mostly repeats the input), methods interleaved prompt by prompt.
+1. The floor: a decode step reads every weight it multiplies once (the linear layers and the LM
+   head; the embedding lookup reads one row), so weight bytes / memory read bandwidth (measured
+   here, one thread streaming a 512 MB tensor) bounds the step from below.
+2. Engines: float32 and bfloat16, each with plain `nn.Linear` and with weights prepacked for
+   oneDNN (dresd's default, `fastpath.prepack_linears`). For each: the one-token step in ms and
+   the verify cost, one forward over a tree of 1, 2, 4, ..., 64 nodes on a warm KV cache
+   relative to the same engine's one-token step. Engines and sizes are interleaved within each
+   repetition so that machine drift hits all of them alike; medians are reported.
+3. PLD vs AR: tokens/s and mean accepted length on "add type hints" requests over HumanEval
+   solutions (the output mostly repeats the input), methods interleaved prompt by prompt, in
+   the dtype `auto` picks.
 
-Both on the default model, for 1 and 2 PyTorch threads. Results go to
-benchmarks/results/engine.{json,md}.
+Results go to benchmarks/results/engine.{json,md}.
 
-    .venv/bin/python benchmarks/engine.py [--prompts 12] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/engine.py [--prompts 12] [--threads 1]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from transformers import DynamicCache
 from dresd.datasets import type_hint_prompts
 from dresd.decoding.generate import target_forward
 from dresd.decoding.tree import DraftTree
+from dresd.fastpath import PackedLinear, dtype_name, native_bf16_flags
 from dresd.metrics import summarize
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
@@ -53,28 +59,75 @@ def _drafts_of(tree: DraftTree) -> list[list[int]]:
     return [[tree.tokens[i] for i in tree.path_to(leaf)[1:]] for leaf in leaves]
 
 
+ENGINES = {  # name -> (dtype, prepacked)
+    "float32": (torch.float32, False),
+    "float32, prepacked": (torch.float32, True),
+    "bfloat16": (torch.bfloat16, False),
+    "bfloat16, prepacked": (torch.bfloat16, True),
+}
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second one thread reads from memory (a sum over a tensor far above cache)."""
+    data = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    data.sum()
+    best = min(_timed(data.sum) for _ in range(repeats))
+    return data.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    started = perf_counter()
+    fn()
+    return perf_counter() - started
+
+
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step multiplies: every linear weight (packed or not) and the LM head."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        elif isinstance(module, PackedLinear):
+            total += module.in_features * module.out_features * module.packed_weight.element_size()
+    return total
+
+
 @torch.inference_mode()
-def verify_cost(target, context_len: int, repeats: int) -> dict:
-    model = target.model
-    vocab = model.config.vocab_size
+def engine_costs(context_len: int, repeats: int) -> dict:
+    """Per engine: the one-token step (ms) and the verify cost of each tree size (in steps)."""
+    models = {name: load_target("default", dtype=dtype, prepack=packed).model
+              for name, (dtype, packed) in ENGINES.items()}
+    vocab = next(iter(models.values())).config.vocab_size
     rng = np.random.default_rng(0)
     prompt = torch.tensor([rng.integers(vocab, size=context_len).tolist()])
-    cache = DynamicCache(config=model.config)
-    target_forward(model, prompt, cache)
-    dtype = next(model.parameters()).dtype
-    times: dict[int, list[float]] = {size: [] for size in TREE_SIZES}
+    caches = {}
+    for name, model in models.items():
+        caches[name] = DynamicCache(config=model.config)
+        target_forward(model, prompt, caches[name])
+    times = {(name, size): [] for name in models for size in TREE_SIZES}
     for repeat in range(repeats + 1):
         for size in TREE_SIZES:
             tree = random_tree(size, vocab, rng)
-            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype)
-            started = perf_counter()
-            target_forward(model, tree.input_ids(), cache, tree.position_ids(context_len), mask)
-            elapsed = perf_counter() - started
-            cache.crop(-size)
-            if repeat > 0:  # the first round is a warm-up
-                times[size].append(elapsed)
-    base = statistics.median(times[1])
-    return {str(size): statistics.median(t) / base for size, t in times.items()}
+            for name, model in models.items():
+                dtype = ENGINES[name][0]
+                mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype)
+                started = perf_counter()
+                target_forward(model, tree.input_ids(), caches[name],
+                               tree.position_ids(context_len), mask)
+                elapsed = perf_counter() - started
+                caches[name].crop(-size)
+                if repeat > 0:  # the first round is a warm-up
+                    times[(name, size)].append(elapsed)
+    table = {}
+    for name, model in models.items():
+        step = statistics.median(times[(name, 1)])
+        table[name] = {
+            "step_ms": step * 1000,
+            "weight_bytes": streamed_weight_bytes(model),
+            "verify_cost": {str(size): statistics.median(times[(name, size)]) / step
+                            for size in TREE_SIZES},
+        }
+    return table
 
 
 def pld_vs_ar(target, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -110,34 +163,40 @@ def pld_vs_ar(target, prompts: list[list[int]], max_new_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=12, help="PLD vs AR prompts (0: skip)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", default="1,2", help="thread counts to measure, in turn")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
-    target = load_target("default")
-    prompts = [encode_prompt(target.tokenizer, p) for p in type_hint_prompts(args.prompts)]
+    print("read bandwidth ...", flush=True)
+    bandwidth = read_bandwidth()
+    print("engines: step and verify cost ...", flush=True)
+    engines = engine_costs(args.context_len, args.repeats)
+    for figures in engines.values():
+        figures["floor_ms"] = figures["weight_bytes"] / bandwidth * 1000
+        figures["step_over_floor"] = figures["step_ms"] / figures["floor_ms"]
+    target = load_target("default")  # dtype auto, prepacked: what dresd runs by default
     report = {
         "model": target.name,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_native_bf16": native_bf16_flags(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "threads": args.threads,
         "context_len": args.context_len,
-        "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
-        "by_threads": {},
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "engines": engines,
+        "auto_dtype": dtype_name(target.dtype),
     }
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
-        print(f"threads={threads}: verify cost ...", flush=True)
-        cost = verify_cost(target, args.context_len, args.repeats)
-        print(f"threads={threads}: PLD vs AR ...", flush=True)
-        table = pld_vs_ar(target, prompts, args.max_new_tokens)
-        report["by_threads"][str(threads)] = {"verify_cost": cost, "methods": table}
-        print(json.dumps(report["by_threads"][str(threads)], indent=1), flush=True)
-
+    if args.prompts:
+        print("PLD vs AR ...", flush=True)
+        prompts = [encode_prompt(target.tokenizer, p) for p in type_hint_prompts(args.prompts)]
+        report.update(prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                      methods=pld_vs_ar(target, prompts, args.max_new_tokens))
+    print(json.dumps(report, indent=1), flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "engine.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / "engine.md").write_text(markdown(report))
@@ -148,33 +207,44 @@ def markdown(report: dict) -> str:
         "# Engine benchmark (recorded by benchmarks/engine.py)",
         "",
         f"Model {report['model']}, torch {report['torch']}, transformers "
-        f"{report['transformers']}, CPU {report['cpu']}.",
+        f"{report['transformers']}, CPU {report['cpu']} (native bf16: "
+        f"{', '.join(report['cpu_native_bf16']) or 'none'}), {report['threads']} thread(s), "
+        f"context {report['context_len']} tokens. Read bandwidth (1 thread): "
+        f"{report['read_bandwidth_gb_s']:.1f} GB/s. `--dtype auto` picks "
+        f"{report['auto_dtype']} here.",
         "",
-        f"## Verify cost: one forward over a tree of N tokens / one-token decode step "
-        f"(context {report['context_len']} tokens, medians)",
+        "## Decode step against its floor, and verify cost (tree of N tokens / one-token step)",
         "",
-        "| threads | " + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
-        "| --- |" + " --- |" * len(TREE_SIZES),
+        "floor = streamed weight bytes / read bandwidth; medians, engines interleaved.",
+        "",
+        "| engine | weights streamed | floor | step | step / floor | step / fp32 step | "
+        + " | ".join(f"N={n}" for n in TREE_SIZES) + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(TREE_SIZES),
     ]
-    for threads, part in report["by_threads"].items():
-        costs = part["verify_cost"]
-        lines.append(f"| {threads} | " + " | ".join(f"{costs[str(n)]:.2f}" for n in TREE_SIZES)
-                     + " |")
-    lines += [
-        "",
-        f"## PLD vs AR on {report['prompts']} HumanEval 'add type hints' prompts "
-        f"(greedy, up to {report['max_new_tokens']} new tokens, interleaved)",
-        "",
-        "| threads | method | tokens/s | speedup | mean accepted length | acceptance rate "
-        "| drafted/step | draft time | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for threads, part in report["by_threads"].items():
-        for name, row in part["methods"].items():
+    fp32_step = report["engines"]["float32"]["step_ms"]
+    for name, e in report["engines"].items():
+        costs = e["verify_cost"]
+        lines.append(
+            f"| {name} | {e['weight_bytes'] / 1e6:.0f} MB | {e['floor_ms']:.1f} ms | "
+            f"{e['step_ms']:.1f} ms | {e['step_over_floor']:.1f}x | "
+            f"{e['step_ms'] / fp32_step:.2f} | "
+            + " | ".join(f"{costs[str(n)]:.2f}" for n in TREE_SIZES) + " |")
+    if "methods" in report:
+        lines += [
+            "",
+            f"## PLD vs AR on {report['prompts']} HumanEval 'add type hints' prompts "
+            f"(greedy, up to {report['max_new_tokens']} new tokens, {report['auto_dtype']}, "
+            "interleaved)",
+            "",
+            "| method | tokens/s | speedup | mean accepted length | acceptance rate "
+            "| drafted/step | draft time | identical |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, row in report["methods"].items():
             rate = row["acceptance_rate"]
             share = row["draft_time_share"]
             lines.append(
-                f"| {threads} | {name} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+                f"| {name} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
                 f"{row['mean_accepted_length']:.2f} | {'-' if rate is None else f'{rate:.1%}'} | "
                 f"{row['drafted_tokens_per_step']:.1f} | "
                 f"{'-' if share is None else f'{share:.1%}'} | {row['identical_fraction']:.0%} |"

@@ -19,7 +19,7 @@ from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec, iter_j
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.drafters import DRAFTERS
-from dresd.fastpath import DTYPES, dtype_name, native_bf16_flags, resolve_dtype
+from dresd.fastpath import DTYPES, dtype_name, native_bf16_flags
 from dresd.metrics import GenerationResult, summarize
 from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
@@ -170,11 +170,11 @@ def _add_dtype_option(p: argparse.ArgumentParser) -> None:
 
 def load_target_from_args(args: argparse.Namespace, device: str = "cpu") -> Target:
     """The target of --model in --dtype; says which dtype `auto` chose, on stderr."""
-    dtype = resolve_dtype(args.dtype, device)
+    target = load_target(args.model, dtype=args.dtype, device=device)
     if args.dtype == "auto":
-        why = ", ".join(native_bf16_flags()) or "no native bf16"
-        print(f"dresd: dtype {dtype_name(dtype)} (auto; {device}: {why})", file=sys.stderr)
-    return load_target(args.model, dtype=dtype, device=device)
+        why = (", ".join(native_bf16_flags()) or "no native bf16") if device == "cpu" else device
+        print(f"dresd: dtype {dtype_name(target.dtype)} (auto; {why})", file=sys.stderr)
+    return target
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
