@@ -37,3 +37,29 @@ def test_cli_refuses_bad_input_before_loading_a_model(tmp_path, capsys):
     assert "no text field 'prompt'" in capsys.readouterr().err  # not a model error
     assert main([*args[:-4], "--corpus", str(tmp_path / "none.jsonl"), "--out", "o"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_batched_fp32_responses_equal_single_stream_generate(tmp_path, default_target):
+    """Left-padded batches of different prompt lengths, rows stopping at different steps: each
+    response is the one a single-stream greedy `generate` gives (float32)."""
+    from dresd.corpus import format_prompt_ids
+    from dresd.regenerate import regenerate
+    from dresd.runner import AR, GenerationSettings, MethodRunner
+
+    questions = ["What is 2 + 2? Answer with one number.", "Name a fruit.",
+                 "Write one sentence about the sea, then stop.",
+                 "List the first five prime numbers, separated by commas."]
+    corpus = tmp_path / "prompts.jsonl"
+    corpus.write_text("".join(json.dumps({"question": q}) + "\n" for q in questions))
+    out = tmp_path / "answers.jsonl"
+    config = RegenerateConfig(prompt_field="question", max_new_tokens=24, batch_size=3)
+    regenerate(default_target, corpus, out, config, progress=False)
+    written = [json.loads(line)["response"] for line in out.read_text().splitlines()]
+
+    ar = MethodRunner(default_target, AR, GenerationSettings(24))
+    tokenizer = default_target.tokenizer
+    for question, response in zip(questions, written, strict=True):
+        tokens = ar.generate(format_prompt_ids(tokenizer, question, "chat")).token_ids
+        eos = [i for i, t in enumerate(tokens) if t in default_target.eos_token_ids]
+        expected = tokenizer.decode(tokens[: eos[0] if eos else None], skip_special_tokens=True)
+        assert response == expected
