@@ -109,3 +109,4 @@ def test_bf16_speculative_outputs_differ_only_at_near_ties(default_target_bf16):
                                              reference.top2_logits, torch.bfloat16))
     assert "unexplained" not in kinds, kinds
     assert kinds.count("identical") >= len(kinds) // 2, kinds
+
