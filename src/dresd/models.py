@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dresd.fastpath import prepack_linears, resolve_dtype
+from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -187,4 +187,5 @@ def load_target(
     model.to(device=device, dtype=dtype)
     if prepack:
         prepack_linears(model)
+        use_invariant_attention(model)
     return Target(model=model, tokenizer=tokenizer, name=name)
