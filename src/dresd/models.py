@@ -185,7 +185,7 @@ def load_target(
     model.eval()
     model._dresd_fingerprint = model_fingerprint(model)
     model.to(device=device, dtype=dtype)
-    if prepack:
-        prepack_linears(model)
+    # Batch invariance needs both: packed linears and float64-accumulated attention (CPU).
+    if prepack and prepack_linears(model):
         use_invariant_attention(model)
     return Target(model=model, tokenizer=tokenizer, name=name)
