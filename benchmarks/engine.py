@@ -4,10 +4,11 @@
    head; the embedding lookup reads one row), so weight bytes / memory read bandwidth (measured
    here, one thread streaming a 512 MB tensor) bounds the step from below.
 2. Engines: float32 and bfloat16, each with plain `nn.Linear` and with weights prepacked for
-   oneDNN (dresd's default, `fastpath.prepack_linears`). For each: the one-token step in ms and
-   the verify cost, one forward over a tree of 1, 2, 4, ..., 64 nodes on a warm KV cache
-   relative to the same engine's one-token step. Engines and sizes are interleaved within each
-   repetition so that machine drift hits all of them alike; medians are reported.
+   oneDNN (`fastpath.prepack_linears`), and bf16 prepacked with the batch-invariant attention
+   (`fastpath.invariant_attention`), which is what dresd runs on such a CPU. For each: the
+   one-token step in ms and the verify cost, one forward over a tree of 1, 2, 4, ..., 64 nodes
+   on a warm KV cache relative to the same engine's one-token step. Engines and sizes are
+   interleaved within each repetition so that machine drift hits all of them alike; medians.
 3. PLD vs AR: tokens/s and mean accepted length on "add type hints" requests over HumanEval
    solutions (the output mostly repeats the input), methods interleaved prompt by prompt, in
    the dtype `auto` picks.
@@ -34,7 +35,7 @@ from transformers import DynamicCache
 from dresd.datasets import type_hint_prompts
 from dresd.decoding.generate import target_forward
 from dresd.decoding.tree import DraftTree
-from dresd.fastpath import PackedLinear, dtype_name, native_bf16_flags
+from dresd.fastpath import INVARIANT_ATTENTION, PackedLinear, dtype_name, native_bf16_flags
 from dresd.metrics import summarize
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
@@ -59,12 +60,19 @@ def _drafts_of(tree: DraftTree) -> list[list[int]]:
     return [[tree.tokens[i] for i in tree.path_to(leaf)[1:]] for leaf in leaves]
 
 
-ENGINES = {  # name -> (dtype, prepacked)
-    "float32": (torch.float32, False),
-    "float32, prepacked": (torch.float32, True),
-    "bfloat16": (torch.bfloat16, False),
-    "bfloat16, prepacked": (torch.bfloat16, True),
+ENGINES = {  # name -> (dtype, prepacked, attention); the last is what dresd runs by default
+    "float32": (torch.float32, False, "sdpa"),
+    "float32, prepacked": (torch.float32, True, "sdpa"),
+    "bfloat16": (torch.bfloat16, False, "sdpa"),
+    "bfloat16, prepacked": (torch.bfloat16, True, "sdpa"),
+    "bfloat16, prepacked, invariant attention": (torch.bfloat16, True, INVARIANT_ATTENTION),
 }
+
+
+def load_engine(dtype: torch.dtype, packed: bool, attention: str) -> torch.nn.Module:
+    model = load_target("default", dtype=dtype, prepack=packed).model
+    model.set_attn_implementation(attention)
+    return model
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -95,8 +103,7 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
 @torch.inference_mode()
 def engine_costs(context_len: int, repeats: int) -> dict:
     """Per engine: the one-token step (ms) and the verify cost of each tree size (in steps)."""
-    models = {name: load_target("default", dtype=dtype, prepack=packed).model
-              for name, (dtype, packed) in ENGINES.items()}
+    models = {name: load_engine(*engine) for name, engine in ENGINES.items()}
     vocab = next(iter(models.values())).config.vocab_size
     rng = np.random.default_rng(0)
     prompt = torch.tensor([rng.integers(vocab, size=context_len).tolist()])
