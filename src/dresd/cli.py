@@ -164,8 +164,9 @@ def _add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="the model's dtype; auto (default): bfloat16 where the hardware "
                         "multiplies it natively (CPU amx_bf16 or avx512_bf16, CUDA), else "
-                        "float32. float32 output is token-identical to plain decoding; "
-                        "reduced precision may differ at near-ties (see README)")
+                        "float32. Output is token-identical to plain decoding in the same "
+                        "dtype (elsewhere than a CPU, reduced precision may differ at "
+                        "near-ties: see README)")
 
 
 def load_target_from_args(args: argparse.Namespace, device: str = "cpu") -> Target:
