@@ -71,6 +71,8 @@ def format_description(f: dict) -> str:
             if index == "ivf" else ""
         lines.append(f"  keys: {s['pca_dim']} dims ({s['key_dtype']}) from hidden size "
                      f"{s['hidden_size']}; values: {s['value_len']} tokens; index: {index}{detail}")
+        # Stores from before --dtype were all built in float32.
+        lines.append(f"  built in {s.get('build_dtype', 'float32')}")
     if "sparse" in kinds:
         sp = s["sparse"]
         lines.append(f"  sparse: suffix array ({sp['suffix_array_dtype']}) of "
