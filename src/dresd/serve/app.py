@@ -169,15 +169,19 @@ class Generation:
     async def pieces_of_text(self) -> AsyncIterator[str]:
         """The text as the worker's events come in; ends with the finished text's last piece.
         A client that leaves (seen while waiting) cancels the generation."""
+        checked = perf_counter()
         try:
             while True:
                 try:
                     kind, payload = await asyncio.wait_for(self.job.events.get(),
                                                            DISCONNECT_POLL_S)
                 except TimeoutError:
+                    kind, payload = "", None
+                # Checked by the clock, not only when idle: tokens may keep coming meanwhile.
+                if perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = perf_counter()
                     if await self.request.is_disconnected():
-                        raise ClientGone from None
-                    continue
+                        raise ClientGone
                 if kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = perf_counter()
@@ -186,7 +190,7 @@ class Generation:
                         yield piece
                 elif kind == "error":
                     raise payload
-                else:
+                elif kind == "done":
                     self.result = payload
                     piece = self.pieces.finish()
                     if piece:
