@@ -265,16 +265,22 @@ def test_a_full_queue_is_503(servers):
     small = servers[1]
     client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    # One long generation runs and one waits; the queue (1) is then full.
+    # One long generation runs and one waits; the queue (1) is then full. Plain decoding
+    # ("none"): a count is what prompt lookup would draft well, and this one must be slow.
     def long_one() -> None:
-        chat(client, "Count from 1 to 300, one number per line.", max_tokens=80)
+        chat(client, "Count from 1 to 300, one number per line.", max_tokens=60,
+             extra_body={"method": "none"})
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 30
+        while metric(small.url, name) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     threads = [threading.Thread(target=long_one) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while metric(small.url, "dresd:num_requests_waiting") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    threads[0].start()
+    wait_for("dresd:num_requests_running")
+    threads[1].start()
+    wait_for("dresd:num_requests_waiting")
     with pytest.raises(openai.APIStatusError) as refused:
         chat(client, "hi")
     assert refused.value.status_code == 503 and "queue is full" in str(refused.value)
@@ -287,8 +293,9 @@ def test_a_client_that_leaves_stops_its_generation(servers):
     small = servers[1]
     aborted = metric(small.url, "dresd:request_success_total", 'finished_reason="abort"')
     connection = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
-    body = {"messages": [{"role": "user", "content": "Count from 1 to 5000."}],
-            "max_tokens": 4000, "stream": True}
+    essay = "Write a very long essay about the history of Rome, with many details."
+    body = {"messages": [{"role": "user", "content": essay}],
+            "max_tokens": 4000, "stream": True, "method": "none"}
     connection.request("POST", "/v1/chat/completions", json.dumps(body),
                        {"Content-Type": "application/json"})
     reply = connection.getresponse()
@@ -297,8 +304,8 @@ def test_a_client_that_leaves_stops_its_generation(servers):
         pass  # until the first piece of text
     connection.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
     connection.close()
-    # 4000 tokens would take minutes; a cancelled generation ends at its next step.
-    deadline = time.monotonic() + 20
+    # 4000 tokens of plain decoding take minutes; a cancelled generation ends at its next step.
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if (metric(small.url, "dresd:request_success_total", 'finished_reason="abort"')
                 > aborted and metric(small.url, "dresd:num_requests_running") == 0):
