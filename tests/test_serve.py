@@ -24,6 +24,7 @@ from dresd.corpus import CorpusSpec
 from dresd.datastore.dense import DenseBuildConfig, build_dense
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
+from dresd.serve import protocol
 from dresd.serve.local import LocalServer
 
 MAX_TOKENS = 12
@@ -315,3 +316,22 @@ def test_a_client_that_leaves_stops_its_generation(servers):
         pytest.fail("the generation went on after its client left")
     assert chat(openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0),
                 "hi", max_tokens=2).choices[0].message.content
+
+
+def test_streamed_text_keeps_multibyte_characters_whole(default_target):
+    tokenizer = default_target.tokenizer
+    text = "Drachen 🐉 fliegen über Zürich, 東京 too."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # some characters take several tokens
+    pieces = protocol.IncrementalText(tokenizer, stop=[])
+    sent = [pieces.add([token]) for token in ids] + [pieces.finish()]
+    assert "".join(sent) == tokenizer.decode(ids)
+    assert not any("\ufffd" in piece for piece in sent)
+
+
+def test_streamed_text_never_sends_a_stop_string(default_target):
+    tokenizer = default_target.tokenizer
+    ids = tokenizer("one two three four five", add_special_tokens=False)["input_ids"]
+    pieces = protocol.IncrementalText(tokenizer, stop=[" four"])
+    sent = [pieces.add([token]) for token in ids] + [pieces.finish()]
+    assert "".join(sent) == "one two three" and pieces.stopped

@@ -117,6 +117,7 @@ class Engine:
         self.datastores = datastores  # names, the first is the default
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.running = 0  # generations in progress: 0 or 1
+        self.current: Job | None = None  # the job generating now
         self._worker: threading.Thread | None = None
 
     # -- building a request's plan --------------------------------------------------------
@@ -168,7 +169,9 @@ class Engine:
         self._worker.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is queued, let the running generation stop at its next step, join."""
+        """Cancel what is queued and what runs (it stops at its next step), then join."""
+        if self.current is not None:
+            self.current.cancelled.set()
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -201,13 +204,13 @@ class Engine:
                 return
             if job.cancelled.is_set():  # its client left while it waited
                 continue
-            self.running = 1
+            self.current, self.running = job, 1
             try:
                 job.post("done", self.generate(job))
             except Exception as err:  # noqa: BLE001 - reported to that request; the worker lives on
                 job.post("error", err)
             finally:
-                self.running = 0
+                self.current, self.running = None, 0
 
     def generate(self, job: Job) -> GenerationResult:
         """Run one job on this thread, exactly as `dresd generate` would run its prompt."""
