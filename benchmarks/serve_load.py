@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import textwrap
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,51 @@ def summarize_phase(records: list[dict], wall: float) -> dict:
     }
 
 
+def markdown(report: dict) -> str:
+    """benchmarks/results/serve.md: the figures of one run, as measured."""
+    rows = []
+    for phase in ("sequential", "concurrent"):
+        f = report[phase]
+        clients = 1 if phase == "sequential" else report["clients"]
+        rows.append(f"| {phase} | {clients} | {f['requests']} | {f['completion_tokens']} | "
+                    f"{f['ttft_p50_s']:.2f} | {f['ttft_p99_s']:.2f} | {f['latency_p50_s']:.2f} | "
+                    f"{f['latency_p99_s']:.2f} | {f['tokens_per_s']:.1f} | "
+                    f"{f['request_tokens_per_s_p50']:.1f} |")
+    m = report["server_metrics"]
+    same = "all identical" if report["identical_to_sequential"] else (
+        f"{len(report['mismatches'])} differ")
+    load = report.get("load_average")
+    return "\n\n".join(textwrap.fill(block, 100) if block[0].isalpha() else block for block in [
+        "# `dresd serve` under load",
+        f"Measured {report['date']} on {report['machine']}, shared with other jobs (load "
+        f"average {load[0]:.1f} before the run, {load[1]:.1f} after), {report['model']}, method "
+        f"`{report['method']}`, greedy, max_tokens {report['max_tokens']}, the server with "
+        f"{report['threads']} PyTorch thread(s), the clients on the same machine (127.0.0.1) "
+        "using the official `openai` client, streaming. Produced by",
+        "    PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py "
+        f"--clients {report['clients']} --rounds {report['rounds']} "
+        f"--max-tokens {report['max_tokens']} --threads {report['threads']}",
+        f"Sequential: the {report['prompts']} prompts one at a time. Concurrent: "
+        f"{report['clients']} clients at once, each prompt {report['rounds']} times. "
+        f"Concurrent outputs against sequential ones: {same}; incomplete responses: "
+        f"{len(report['incomplete'])}.",
+        "\n".join([
+            "| phase | clients | requests | tokens | TTFT p50 s | TTFT p99 s | latency p50 s | "
+            "latency p99 s | tokens/s (run) | tokens/s per request p50 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *rows]),
+        "TTFT: request sent to the first non-empty content chunk. tokens/s (run): completion "
+        "tokens / wall seconds of the phase. The server generates one request at a time (they "
+        "queue), so concurrency does not raise throughput; under load TTFT is mostly the wait "
+        "in the queue, and it grows with the clients ahead.",
+        "Server's /metrics at the end: mean acceptance length "
+        f"{m.get('spec_decode_mean_acceptance_length', float('nan')):.2f}, draft acceptance "
+        f"rate {m.get('spec_decode_draft_acceptance_rate', float('nan')):.1%}, generation "
+        f"{m.get('avg_generation_throughput_toks_per_s', float('nan')):.1f} tokens/s "
+        f"({m.get('generation_tokens_total', 0):.0f} tokens, warm-up included).",
+    ]) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
@@ -129,12 +175,20 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="the server's PyTorch threads")
     parser.add_argument("--method", default="pld")
     parser.add_argument("--server-args", default="", help="more `dresd serve` options")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"),
+                        help="writes OUT.json and OUT.md")
+    parser.add_argument("--render", action="store_true",
+                        help="only write OUT.md again from OUT.json")
     args = parser.parse_args()
+    if args.render:
+        report = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text(markdown(report))
+        return 0
 
     server_args = ["--threads", str(args.threads), "--method", args.method,
                    "--max-queue", str(max(64, args.clients * 2)), "--log-level", "warning",
                    *args.server_args.split()]
+    load_before = os.getloadavg()[0]
     with LocalServer(server_args) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                timeout=600)
@@ -168,9 +222,11 @@ def main() -> int:
         "identical_to_sequential": not mismatches, "mismatches": mismatches,
         "incomplete": incomplete,
         "server_metrics": figures,
+        "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
     print(json.dumps({k: report[k] for k in ("sequential", "concurrent",
                                               "identical_to_sequential")}, indent=2))
     return 0 if not mismatches and not incomplete else 1

@@ -103,7 +103,9 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
-        return await serve(body, body.max_completion_tokens or body.max_tokens, "chat", request)
+        newer = body.max_completion_tokens  # OpenAI's newer name wins where both are given
+        return await serve(body, newer if newer is not None else body.max_tokens, "chat",
+                           request)
 
     async def serve(body: protocol.GenerationFields, max_tokens: int | None, kind: str,
                     request: Request) -> Response:
