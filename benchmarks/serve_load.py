@@ -140,12 +140,14 @@ def markdown(report: dict) -> str:
         "# `dresd serve` under load",
         f"Measured {report['date']} on {report['machine']}, shared with other jobs (load "
         f"average {load[0]:.1f} before the run, {load[1]:.1f} after), {report['model']}, method "
-        f"`{report['method']}`, greedy, max_tokens {report['max_tokens']}, the server with "
-        f"{report['threads']} PyTorch thread(s), the clients on the same machine (127.0.0.1) "
+        f"`{report['method']}`, greedy, max_tokens {report['max_tokens']}, the server in "
+        f"{report.get('dtype', 'float32')} with {report['threads']} PyTorch thread(s), the "
+        "clients on the same machine (127.0.0.1) "
         "using the official `openai` client, streaming. Produced by",
         "    PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py "
         f"--clients {report['clients']} --rounds {report['rounds']} "
-        f"--max-tokens {report['max_tokens']} --threads {report['threads']}",
+        f"--max-tokens {report['max_tokens']} --threads {report['threads']} "
+        f"--dtype {report.get('dtype', 'float32')}",
         f"Sequential: the {report['prompts']} prompts one at a time. Concurrent: "
         f"{report['clients']} clients at once, each prompt {report['rounds']} times. "
         f"Concurrent outputs against sequential ones: {same}; incomplete responses: "
@@ -174,6 +176,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the server's PyTorch threads")
     parser.add_argument("--method", default="pld")
+    parser.add_argument("--dtype", default="auto", help="the server's --dtype")
     parser.add_argument("--server-args", default="", help="more `dresd serve` options")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"),
                         help="writes OUT.json and OUT.md")
@@ -185,7 +188,7 @@ def main() -> int:
         args.out.with_suffix(".md").write_text(markdown(report))
         return 0
 
-    server_args = ["--threads", str(args.threads), "--method", args.method,
+    server_args = ["--threads", str(args.threads), "--method", args.method, "--dtype", args.dtype,
                    "--max-queue", str(max(64, args.clients * 2)), "--log-level", "warning",
                    *args.server_args.split()]
     load_before = os.getloadavg()[0]
@@ -208,6 +211,7 @@ def main() -> int:
                 lambda p: stream_one(client, model, p, args.max_tokens, extra), work))
         concurrent_wall = time.perf_counter() - started
         figures = server_metrics(server.url)
+        chosen = re.search(r"dresd: dtype (\S+)", server.log())  # the server says what auto chose
 
     mismatches = [r["prompt"] for r in concurrent if r["text"] != reference[r["prompt"]]]
     incomplete = [r["prompt"] for r in concurrent if r["finish_reason"] is None]
@@ -215,6 +219,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "model": model, "method": args.method, "threads": args.threads,
+        "dtype": chosen.group(1) if chosen else args.dtype,
         "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
         "rounds": args.rounds,
         "sequential": summarize_phase(sequential, sequential_wall),

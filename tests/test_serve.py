@@ -45,7 +45,8 @@ def servers(tmp_path_factory, default_target):
     store = build_dense(default_target, CorpusSpec([str(corpus)]), folder / "sums",
                         DenseBuildConfig(pca_dim=8, index="exact"), progress=False,
                         with_sparse=True)
-    common = ["--threads", "1", "--max-new-tokens", str(MAX_TOKENS)]
+    # float32, as the references: token-identical to plain decoding on any machine
+    common = ["--threads", "1", "--max-new-tokens", str(MAX_TOKENS), "--dtype", "float32"]
     main = LocalServer([*common, "--datastore", str(store), "--max-queue", "32"]).start()
     small = LocalServer([*common, "--max-queue", "1"]).start()
     try:

@@ -41,7 +41,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dresd.cli import UserError, drafter_options, settings_from_args
+    from dresd.cli import UserError, drafter_options, load_target_from_args, settings_from_args
 
     try:
         import uvicorn
@@ -50,7 +50,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ImportError(f"dresd serve needs fastapi and uvicorn ({err}); "
                           "install them with pip install 'dresd[serve]'") from None
-    from dresd.models import load_target
     from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
 
     if args.no_chat_template:
@@ -70,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target = load_target(args.model)
+    target = load_target_from_args(args)  # --model in --dtype
     # The command line's drafter options, without a datastore: each store gets its own drafter.
     methods = [args.method] + (["draft"] if args.draft_model else [])
     options = drafter_options(argparse.Namespace(**{**vars(args), "datastore": None}), target,

@@ -206,11 +206,12 @@ class Engine:
                 continue
             self.current, self.running = job, 1
             try:
-                job.post("done", self.generate(job))
+                outcome = ("done", self.generate(job))
             except Exception as err:  # noqa: BLE001 - reported to that request; the worker lives on
-                job.post("error", err)
-            finally:
-                self.current, self.running = None, 0
+                outcome = ("error", err)
+            # Idle before the reply goes out: a client holding its response sees the server idle.
+            self.current, self.running = None, 0
+            job.post(*outcome)
 
     def generate(self, job: Job) -> GenerationResult:
         """Run one job on this thread, exactly as `dresd generate` would run its prompt."""
