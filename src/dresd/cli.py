@@ -1,4 +1,4 @@
-"""The `dresd` command: generate, build, inspect, bench, corpus, fetch-model.
+"""The `dresd` command: generate, build, inspect, bench, corpus, fetch-model, serve.
 
 Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
 ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
     bench.set_defaults(func=cmd_bench)
+
+    from dresd.serve.cli import add_serve_command  # the server's options and handler
+    add_serve_command(commands)
 
 
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")

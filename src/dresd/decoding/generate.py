@@ -12,7 +12,7 @@ sampling acceptance every token is drawn from the model's own distribution (see 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 
 import numpy as np
@@ -133,11 +133,14 @@ def speculative_generate(
     stop_strings: Sequence[str] = (),
     tokenizer: PreTrainedTokenizerBase | None = None,
     max_length: int | None = None,
+    on_tokens: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` ([1, n] or [n]) with `drafter`'s drafts.
 
     Greedy when `sampling` is None. Returns the new tokens and one record per verify step.
     `max_length` bounds prompt + output (the model's context); drafts never cross it.
+    `on_tokens`, if given, gets each step's emitted tokens as they are accepted (streaming);
+    returning False stops the generation there (stop reason "cancelled").
     """
     started = perf_counter()
     prompt = input_ids.reshape(-1).tolist()
@@ -167,6 +170,7 @@ def speculative_generate(
 
     while True:
         # 2. Emit the step's tokens one by one, stopping where plain decoding would stop.
+        first = len(result.token_ids)
         for token in emitted:
             context[n] = token
             n += 1
@@ -176,6 +180,8 @@ def speculative_generate(
                 break
         if not result.stop_reason and n >= max_length:
             result.stop_reason = "max_length"
+        if on_tokens is not None and on_tokens(result.token_ids[first:]) is False:
+            result.stop_reason = result.stop_reason or "cancelled"
         if result.stop_reason:
             break
 

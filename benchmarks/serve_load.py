@@ -1,0 +1,241 @@
+"""Load benchmark of `dresd serve`: many concurrent streaming clients on 127.0.0.1.
+
+Starts a server (the default model, one PyTorch thread unless told otherwise), then:
+
+1. sequential: every prompt once, one request at a time; these outputs are the reference, and
+   their speed is what one client alone gets;
+2. concurrent: CLIENTS threads, each streaming its share of ROUNDS x the prompts with the
+   official `openai` client, all at once.
+
+Every concurrent response must be complete (a finish_reason) and equal to the sequential
+output of its prompt (greedy). Reported, client-side: time to first token (request sent ->
+first non-empty content chunk), end-to-end latency, tokens/s per request and for the whole run
+(completion tokens / wall seconds), and the server's own /metrics figures. The server runs one
+generation at a time (requests queue), so under load TTFT is mostly waiting in the queue.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --clients 16 --rounds 2 \
+        --max-tokens 64 --out benchmarks/results/serve
+
+Traffic goes to 127.0.0.1 only; the run is bounded (prompts x rounds requests) and stops by
+itself, the server with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import textwrap
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+from dresd.serve.local import LocalServer
+
+# GSM8K-like questions, written here so the benchmark needs no data files.
+PROMPTS = [
+    "Tom has 3 apples and buys 5 more. How many apples does he have?",
+    "A train travels 60 miles per hour for 3 hours. How far does it go?",
+    "Write a Python function that returns the square of a number.",
+    "What is the capital of France? Answer in one sentence.",
+    "Sara reads 12 pages a day. How many pages does she read in a week?",
+    "List three primary colours.",
+    "Explain what a prime number is in two sentences.",
+    "A shirt costs $20 and is 25% off. What is the sale price?",
+    "Write a haiku about the sea.",
+    "How many minutes are there in 4 hours?",
+    "Give two tips for staying focused while studying.",
+    "If a rectangle is 7 cm by 4 cm, what is its area?",
+    "Translate 'good morning' into Spanish.",
+    "What is 15 times 12?",
+    "Name three planets in the solar system.",
+    "Describe a cat in one sentence.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between closest ranks."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
+               extra: dict) -> dict:
+    """One streamed chat completion, timed from the client's side."""
+    started = time.perf_counter()
+    first = None
+    pieces, finish, usage = [], None, None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                first = first if first is not None else time.perf_counter() - started
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    seconds = time.perf_counter() - started
+    tokens = usage.completion_tokens if usage else 0
+    return {"prompt": prompt, "text": "".join(pieces), "finish_reason": finish,
+            "ttft_s": first, "seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds else None}
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    wanted = ["spec_decode_mean_acceptance_length", "spec_decode_draft_acceptance_rate",
+              "avg_generation_throughput_toks_per_s", "generation_tokens_total"]
+    found = {}
+    for name in wanted:
+        match = re.search(rf"^dresd:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+        if match:
+            found[name] = float(match.group(1))
+    return found
+
+
+def summarize_phase(records: list[dict], wall: float) -> dict:
+    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    latency = [r["seconds"] for r in records]
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "requests": len(records),
+        "completion_tokens": tokens,
+        "wall_s": wall,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+        "tokens_per_s": tokens / wall,  # the whole run: completion tokens / wall seconds
+        "request_tokens_per_s_p50": percentile([r["tokens_per_s"] for r in records], 50),
+    }
+
+
+def markdown(report: dict) -> str:
+    """benchmarks/results/serve.md: the figures of one run, as measured."""
+    rows = []
+    for phase in ("sequential", "concurrent"):
+        f = report[phase]
+        clients = 1 if phase == "sequential" else report["clients"]
+        rows.append(f"| {phase} | {clients} | {f['requests']} | {f['completion_tokens']} | "
+                    f"{f['ttft_p50_s']:.2f} | {f['ttft_p99_s']:.2f} | {f['latency_p50_s']:.2f} | "
+                    f"{f['latency_p99_s']:.2f} | {f['tokens_per_s']:.1f} | "
+                    f"{f['request_tokens_per_s_p50']:.1f} |")
+    m = report["server_metrics"]
+    same = "all identical" if report["identical_to_sequential"] else (
+        f"{len(report['mismatches'])} differ")
+    load = report.get("load_average")
+    return "\n\n".join(textwrap.fill(block, 100) if block[0].isalpha() else block for block in [
+        "# `dresd serve` under load",
+        f"Measured {report['date']} on {report['machine']}, shared with other jobs (load "
+        f"average {load[0]:.1f} before the run, {load[1]:.1f} after), {report['model']}, method "
+        f"`{report['method']}`, greedy, max_tokens {report['max_tokens']}, the server in "
+        f"{report.get('dtype', 'float32')} with {report['threads']} PyTorch thread(s), the "
+        "clients on the same machine (127.0.0.1) "
+        "using the official `openai` client, streaming. Produced by",
+        "    PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py "
+        f"--clients {report['clients']} --rounds {report['rounds']} "
+        f"--max-tokens {report['max_tokens']} --threads {report['threads']} "
+        f"--dtype {report.get('dtype', 'float32')}",
+        f"Sequential: the {report['prompts']} prompts one at a time. Concurrent: "
+        f"{report['clients']} clients at once, each prompt {report['rounds']} times. "
+        f"Concurrent outputs against sequential ones: {same}; incomplete responses: "
+        f"{len(report['incomplete'])}.",
+        "\n".join([
+            "| phase | clients | requests | tokens | TTFT p50 s | TTFT p99 s | latency p50 s | "
+            "latency p99 s | tokens/s (run) | tokens/s per request p50 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *rows]),
+        "TTFT: request sent to the first non-empty content chunk. tokens/s (run): completion "
+        "tokens / wall seconds of the phase. The server generates one request at a time (they "
+        "queue), so concurrency does not raise throughput; under load TTFT is mostly the wait "
+        "in the queue, and it grows with the clients ahead.",
+        "Server's /metrics at the end: mean acceptance length "
+        f"{m.get('spec_decode_mean_acceptance_length', float('nan')):.2f}, draft acceptance "
+        f"rate {m.get('spec_decode_draft_acceptance_rate', float('nan')):.1%}, generation "
+        f"{m.get('avg_generation_throughput_toks_per_s', float('nan')):.1f} tokens/s "
+        f"({m.get('generation_tokens_total', 0):.0f} tokens, warm-up included).",
+    ]) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="each prompt is sent this often")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="the server's PyTorch threads")
+    parser.add_argument("--method", default="pld")
+    parser.add_argument("--dtype", default="auto", help="the server's --dtype")
+    parser.add_argument("--server-args", default="", help="more `dresd serve` options")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"),
+                        help="writes OUT.json and OUT.md")
+    parser.add_argument("--render", action="store_true",
+                        help="only write OUT.md again from OUT.json")
+    args = parser.parse_args()
+    if args.render:
+        report = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text(markdown(report))
+        return 0
+
+    server_args = ["--threads", str(args.threads), "--method", args.method, "--dtype", args.dtype,
+                   "--max-queue", str(max(64, args.clients * 2)), "--log-level", "warning",
+                   *args.server_args.split()]
+    load_before = os.getloadavg()[0]
+    with LocalServer(server_args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        model = client.models.list().data[0].id
+        extra: dict = {}
+        stream_one(client, model, "Hello.", 4, extra)  # warm-up, not counted
+
+        started = time.perf_counter()
+        sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in PROMPTS]
+        sequential_wall = time.perf_counter() - started
+        reference = {r["prompt"]: r["text"] for r in sequential}
+
+        work = PROMPTS * args.rounds
+        started = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            concurrent = list(pool.map(
+                lambda p: stream_one(client, model, p, args.max_tokens, extra), work))
+        concurrent_wall = time.perf_counter() - started
+        figures = server_metrics(server.url)
+        chosen = re.search(r"dresd: dtype (\S+)", server.log())  # the server says what auto chose
+
+    mismatches = [r["prompt"] for r in concurrent if r["text"] != reference[r["prompt"]]]
+    incomplete = [r["prompt"] for r in concurrent if r["finish_reason"] is None]
+    report = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "model": model, "method": args.method, "threads": args.threads,
+        "dtype": chosen.group(1) if chosen else args.dtype,
+        "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
+        "rounds": args.rounds,
+        "sequential": summarize_phase(sequential, sequential_wall),
+        "concurrent": summarize_phase(concurrent, concurrent_wall),
+        "identical_to_sequential": not mismatches, "mismatches": mismatches,
+        "incomplete": incomplete,
+        "server_metrics": figures,
+        "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(json.dumps({k: report[k] for k in ("sequential", "concurrent",
+                                              "identical_to_sequential")}, indent=2))
+    return 0 if not mismatches and not incomplete else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,302 @@
+"""The HTTP layer: FastAPI routes over the engine, OpenAI's formats, errors, one log line each.
+
+    POST /v1/completions, /v1/chat/completions   whole responses, or server-sent events
+    GET  /v1/models, /health, /metrics
+
+A request is checked (fields, method, datastore, context) before it is queued, so bad input
+costs the queue nothing and gets a 400; a full queue gets a 503. Errors are OpenAI's error
+object and never carry a traceback; the log has one line per request (`RequestLog`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from time import perf_counter
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dresd.metrics import GenerationResult, summarize
+from dresd.serve import protocol
+from dresd.serve.engine import Engine, Job, RequestError, check_context, request_settings
+from dresd.serve.metrics import ServerMetrics
+
+log = logging.getLogger("dresd.serve")
+
+# How often a request waiting for its generation checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    metrics = ServerMetrics(model_name)
+    accepted_names = {model_name, *model_aliases}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="dresd", lifespan=lifespan)
+    app.add_middleware(RequestLog)
+
+    # -- errors: OpenAI's error object, never a traceback --------------------------------
+
+    def error(status: int, message: str, request: Request, param: str | None = None) -> Response:
+        request.state.log.setdefault("error", message)
+        if status >= 400 and request.url.path.startswith("/v1/"):
+            metrics.record_rejected(status)
+        return JSONResponse(protocol.error_body(message, status, param), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        problems = []
+        for problem in exc.errors():
+            if problem.get("type") == "json_invalid":
+                reason = (problem.get("ctx") or {}).get("error", "")
+                problems.append(f"the body is not valid JSON ({reason})")
+                continue
+            where = ".".join(str(part) for part in problem.get("loc", ())[1:]) or "body"
+            problems.append(f"{where}: {problem.get('msg', 'invalid')}")
+        return error(400, "invalid request: " + "; ".join(problems), request)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> Response:
+        return error(exc.status, str(exc), request, exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error(exc.status_code, str(exc.detail), request)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        return error(500, f"internal error ({type(exc).__name__})", request)
+
+    # -- the routes ------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": protocol.now(), "owned_by": "dresd",
+            "max_model_len": engine.target.max_length, "methods": engine.methods,
+            "datastores": engine.datastores}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(engine.running, engine.waiting),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+        return await serve(body, body.max_tokens, "text", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Response:
+        newer = body.max_completion_tokens  # OpenAI's newer name wins where both are given
+        return await serve(body, newer if newer is not None else body.max_tokens, "chat",
+                           request)
+
+    async def serve(body: protocol.GenerationFields, max_tokens: int | None, kind: str,
+                    request: Request) -> Response:
+        try:
+            return await start(body, max_tokens, kind, request)
+        except RequestError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a message for the client, one line for the log
+            request.state.log["error"] = f"internal error ({type(err).__name__}: {err})"
+            return error(500, f"internal error ({type(err).__name__})", request)
+
+    async def start(body: protocol.GenerationFields, max_tokens: int | None, kind: str,
+                    request: Request) -> Response:
+        """Check the request, queue it, and answer: a stream, or the whole response."""
+        arrived = perf_counter()
+        if body.model is not None and body.model not in accepted_names:
+            raise RequestError(f"the model `{body.model}` does not exist", status=404,
+                               param="model")
+        body.check_supported()
+        target = engine.target
+        prompt_ids = body.prompt_ids(target.tokenizer)
+        settings = request_settings(engine.defaults, max_tokens, body.temperature, body.top_p,
+                                    body.top_k, body.seed, body.stop_strings())
+        settings = check_context(target, prompt_ids, settings, max_tokens is not None)
+        plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
+        job = Job(prompt_ids, plan, asyncio.get_running_loop())
+        engine.submit(job)
+        request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
+        if body.ignored_fields():
+            request.state.log["ignored"] = ",".join(body.ignored_fields())
+        run = Generation(job, target.tokenizer, settings.stop_strings, request, metrics, arrived,
+                         request_id=protocol.new_id("chatcmpl" if kind == "chat" else "cmpl"))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(run.sse(kind, model_name, include_usage),
+                                     media_type="text/event-stream")
+        return await run.whole(kind, model_name)
+
+    return app
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+class Generation:
+    """One request's generation as the event loop sees it: the job's events, turned into text
+    pieces, a whole response or a stream of chunks, with its figures recorded at the end."""
+
+    def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
+                 request: Request, metrics: ServerMetrics, arrived: float,
+                 request_id: str) -> None:
+        self.job = job
+        self.request = request
+        self.metrics = metrics
+        self.arrived = arrived
+        self.request_id = request_id
+        self.created = protocol.now()
+        self.pieces = protocol.IncrementalText(tokenizer, stop)
+        self.first_token_at: float | None = None
+        self.result: GenerationResult | None = None
+
+    async def pieces_of_text(self) -> AsyncIterator[str]:
+        """The text as the worker's events come in; ends with the finished text's last piece.
+        A client that leaves (seen while waiting) cancels the generation."""
+        checked = perf_counter()
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(self.job.events.get(),
+                                                           DISCONNECT_POLL_S)
+                except TimeoutError:
+                    kind, payload = "", None
+                # Checked by the clock, not only when idle: tokens may keep coming meanwhile.
+                if perf_counter() - checked >= DISCONNECT_POLL_S:
+                    checked = perf_counter()
+                    if await self.request.is_disconnected():
+                        raise ClientGone
+                if kind == "tokens":
+                    if self.first_token_at is None:
+                        self.first_token_at = perf_counter()
+                    piece = self.pieces.add(payload)
+                    if piece:
+                        yield piece
+                elif kind == "error":
+                    raise payload
+                elif kind == "done":
+                    self.result = payload
+                    piece = self.pieces.finish()
+                    if piece:
+                        yield piece
+                    return
+        finally:
+            if self.result is None:
+                self.job.cancelled.set()  # the loop stops at its next step
+
+    def finish_reason(self) -> str:
+        return protocol.finish_reason(self.result.stop_reason, self.pieces.stopped)
+
+    def usage(self) -> dict:
+        return protocol.usage(len(self.job.prompt_ids), len(self.result.token_ids))
+
+    def record(self) -> None:
+        """The request's figures: into /metrics and its log line."""
+        reason = self.finish_reason() if self.result else "abort"
+        seconds = perf_counter() - self.arrived
+        ttft = self.first_token_at - self.arrived if self.first_token_at else None
+        self.metrics.record_finished(reason, len(self.job.prompt_ids), self.result, ttft, seconds)
+        entry = self.request.state.log
+        entry["finish"] = reason
+        if self.result is not None:
+            entry["tokens"] = len(self.result.token_ids)
+            entry["forwards"] = self.result.num_target_forwards
+        if ttft is not None:
+            entry["ttft_ms"] = round(ttft * 1000)
+
+    def figures(self) -> dict:
+        figures = summarize([self.result])
+        keys = ("num_target_forwards", "mean_accepted_length", "acceptance_rate",
+                "tokens_per_s")
+        return {"method": self.job.plan.method, **{key: figures[key] for key in keys}}
+
+    async def whole(self, kind: str, model: str) -> Response:
+        try:
+            text = "".join([piece async for piece in self.pieces_of_text()])
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        finally:
+            self.record()
+        return JSONResponse(protocol.completion_body(
+            kind, self.request_id, self.created, model, text, self.finish_reason(), self.usage(),
+            self.figures()))
+
+    async def sse(self, kind: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI's chunks, then `data: [DONE]`. An error after the
+        stream began is sent as an error event (the status line has gone already)."""
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        ids = (self.request_id, self.created, model)
+        try:
+            if kind == "chat":  # the assistant's role first, as OpenAI and vLLM send it
+                yield event(protocol.chunk_body(kind, *ids, "", None, first=True))
+            async for piece in self.pieces_of_text():
+                yield event(protocol.chunk_body(kind, *ids, piece, None))
+            final = "" if kind == "text" else None
+            yield event(protocol.chunk_body(kind, *ids, final, self.finish_reason()))
+            if include_usage:
+                yield event(protocol.usage_chunk(kind, *ids, self.usage()))
+        except ClientGone:
+            return
+        except RequestError as err:
+            self.request.state.log["error"] = str(err)
+            yield event(protocol.error_body(str(err), err.status, err.param))
+        except Exception as err:  # noqa: BLE001 - the client gets a message, not a traceback
+            self.request.state.log["error"] = f"internal error ({type(err).__name__}: {err})"
+            yield event(protocol.error_body(f"internal error ({type(err).__name__})", 500))
+        finally:
+            self.record()
+        yield "data: [DONE]\n\n"
+
+
+class RequestLog:
+    """ASGI middleware: one log line per request, when its response has been sent, with what
+    the handler noted in `request.state.log` (method, tokens, finish reason, error)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = perf_counter()
+        entry: dict = {}
+        scope.setdefault("state", {})["log"] = entry
+        status = {"code": 500}
+
+        async def send_noting_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            details = " ".join(f"{key}={value}" for key, value in entry.items()
+                               if key != "error")
+            if "error" in entry:
+                details += f" error={json.dumps(entry['error'])}"
+            log.info("%s:%s %s %s %d %.0fms %s", client[0], client[1], scope["method"],
+                     scope["path"], status["code"], (perf_counter() - started) * 1000,
+                     details.strip())

@@ -1,0 +1,87 @@
+"""`dresd serve`: its command-line options and what it does before uvicorn takes over.
+
+The options are `dresd generate`'s (model, sampling defaults, drafter options), with these
+changes: `--datastore` may be given several times (a request picks one by its folder name),
+`--method` is the default method of requests that name none, and the server's own options
+(`--host`, `--port`, `--max-queue`, `--served-model-name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+
+def add_serve_command(commands: argparse._SubParsersAction) -> None:
+    """The `serve` subcommand, added to the `dresd` command's parser."""
+    from dresd.cli import METHODS, _add_model_options
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs pip install 'dresd[serve]')",
+        conflict_handler="resolve")  # --datastore below replaces the shared single one
+    _add_model_options(serve)
+    serve.add_argument("--datastore", type=Path, action="append", default=[],
+                       help="a datastore folder (repeatable); a request names one by its folder "
+                            "name in the `datastore` field, the first is the default")
+    serve.add_argument("--method", choices=METHODS, default="pld",
+                       help="the method of requests that name none (default pld); a request "
+                            "may choose another with its `method` field")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting at most; more are refused with 503 (default 64)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's name in the API (default: --model, or "
+                            f"{DEFAULT_MODEL_NAME} for the default model)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dresd.cli import UserError, drafter_options, load_target_from_args, settings_from_args
+
+    try:
+        import uvicorn
+
+        from dresd.serve.app import create_app
+    except ImportError as err:
+        raise ImportError(f"dresd serve needs fastapi and uvicorn ({err}); "
+                          "install them with pip install 'dresd[serve]'") from None
+    from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
+
+    if args.no_chat_template:
+        raise UserError("serve: /v1/chat/completions uses the chat template and /v1/completions "
+                        "the raw text; --no-chat-template does not apply")
+    if args.max_queue < 1:
+        raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be between 1 and 65535, got {args.port}")
+    for folder in args.datastore:
+        if not (folder / "manifest.json").is_file():
+            raise UserError(f"{folder} is not a datastore (no manifest.json); "
+                            "build one with `dresd build`")
+    if args.method in DATASTORE_METHODS and not args.datastore:
+        raise UserError(f"--method {args.method} needs --datastore DIR")
+    defaults = settings_from_args(args)  # also applies --threads
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    target = load_target_from_args(args)  # --model in --dtype
+    # The command line's drafter options, without a datastore: each store gets its own drafter.
+    methods = [args.method] + (["draft"] if args.draft_model else [])
+    options = drafter_options(argparse.Namespace(**{**vars(args), "datastore": None}), target,
+                              methods)
+    draft_model = {"model": options.pop("model")} if "model" in options else None
+    drafters, names = load_drafters(target, args.datastore, options, draft_model)
+    engine = Engine(target, drafters, defaults, args.method, names, args.max_queue)
+    if args.method != "ar":
+        engine.plan(args.method, None, {}, defaults)  # the default method must be servable
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL
+                                      else args.model)
+    app = create_app(engine, name, model_aliases=(args.model,))
+    # uvicorn's own access log is off: RequestLog writes one line per request instead.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

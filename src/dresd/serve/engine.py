@@ -1,0 +1,357 @@
+"""The engine behind the server: one model, one worker thread, requests generated one at a time.
+
+Why one at a time: the speculative loop verifies one sequence's draft tree per forward, and on a
+CPU one generation already keeps the cores it is given busy. So requests wait in a bounded queue
+(`--max-queue`; a full queue is refused with 503) and a single worker thread runs them in
+arrival order. Each generation is then exactly what `dresd generate` computes for that prompt,
+whatever else is queued: the loop keeps no state between calls, and greedy decoding is
+deterministic.
+
+The model and every datastore are loaded once, at start-up. Each method has one drafter built
+from the command line's options; a request that asks for other drafter options (a different
+tree shape) gets a copy of that drafter sharing its opened datastore.
+
+Streaming: the loop calls back with the tokens each verify step accepts (`on_tokens`); the
+worker hands them to the request's asyncio queue. A request whose client went away sets its
+`cancelled` flag, and the loop stops at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dresd.datastore.format import read_manifest
+from dresd.datastore.sparse_store import kinds
+from dresd.decoding import SamplingConfig, speculative_generate
+from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, make_drafter
+from dresd.metrics import GenerationResult
+from dresd.models import Target
+from dresd.runner import AR, GenerationSettings, MethodRunner
+
+# Drafter options a request may set, with the largest value taken: a bigger draft tree costs
+# every queued request time (each verify forward grows with it), so absurd shapes are refused.
+REQUEST_DRAFTER_OPTIONS: dict[str, int] = {
+    "num_drafts": 64,
+    "draft_len": 64,
+    "max_tree_nodes": 512,
+    "k": 1024,
+    "max_ngram": 64,
+    "min_ngram": 64,
+    "max_suffix": 64,
+    "min_suffix": 64,
+    "max_matches": 100_000,
+}
+
+# Methods whose drafter reads a datastore, and the part of the datastore it reads.
+DATASTORE_METHODS = {"dresd": "dense", "rest": "sparse"}
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status` is the HTTP status (400, 404, 503)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass
+class Plan:
+    """What one request runs: a method, its drafter (None for `ar`) and the settings."""
+
+    method: str
+    drafter: Drafter | None
+    settings: GenerationSettings
+
+
+class Job:
+    """One queued request. The worker thread posts ("tokens", [ids]), then ("done", result) or
+    ("error", exception) to `events`, an asyncio queue read on the server's event loop."""
+
+    def __init__(self, prompt_ids: list[int], plan: Plan, loop: asyncio.AbstractEventLoop) -> None:
+        self.prompt_ids = prompt_ids
+        self.plan = plan
+        self.loop = loop
+        self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def post(self, kind: str, payload: object) -> None:
+        """From the worker thread: hand an event to the request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            self.cancelled.set()
+
+    def on_tokens(self, tokens: list[int]) -> bool:
+        """The loop's streaming callback: pass the step's tokens on; False stops the loop."""
+        if tokens:
+            self.post("tokens", list(tokens))
+        return not self.cancelled.is_set()
+
+
+class Engine:
+    """The loaded model and drafters, the request queue and the worker thread."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafters: dict[tuple[str, str | None], Drafter],
+        defaults: GenerationSettings,
+        default_method: str,
+        datastores: list[str],
+        max_queue: int = 64,
+    ) -> None:
+        self.target = target
+        # (method, datastore name or None) -> the drafter built from the command line's options
+        self.drafters = drafters
+        self.defaults = defaults
+        self.default_method = default_method
+        self.datastores = datastores  # names, the first is the default
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.running = 0  # generations in progress: 0 or 1
+        self.current: Job | None = None  # the job generating now
+        self._worker: threading.Thread | None = None
+
+    # -- building a request's plan --------------------------------------------------------
+
+    @property
+    def methods(self) -> list[str]:
+        return [AR] + sorted({method for method, _ in self.drafters})
+
+    def plan(
+        self,
+        method: str | None,
+        datastore: str | None,
+        options: dict[str, int],
+        settings: GenerationSettings,
+    ) -> Plan:
+        """The method and drafter a request asked for, or a RequestError saying what is wrong."""
+        method = method or self.default_method
+        if method == AR:
+            if options:
+                raise RequestError(f"method ar takes no drafter options (got {sorted(options)})")
+            return Plan(AR, None, settings)
+        store = None
+        if method in DATASTORE_METHODS:
+            part = DATASTORE_METHODS[method]
+            having = [name for name in self.datastores if (method, name) in self.drafters]
+            if not having:
+                raise RequestError(f"method {method} needs a datastore with a {part} part; "
+                                   "this server has none", param="method")
+            store = datastore or having[0]
+            if store not in self.datastores:
+                raise RequestError(f"unknown datastore {store!r}; this server has "
+                                   f"{', '.join(self.datastores)}", param="datastore")
+            if store not in having:
+                raise RequestError(f"datastore {store!r} has no {part} part for method "
+                                   f"{method}", param="datastore")
+        elif method not in self.methods:
+            extra = " (start it with --draft-model)" if method == "draft" else ""
+            raise RequestError(f"unknown method {method!r}; this server has "
+                               f"{', '.join(self.methods)}{extra}", param="method")
+        elif datastore is not None:
+            raise RequestError(f"method {method} reads no datastore", param="datastore")
+        base = self.drafters[(method, store)]
+        return Plan(method, drafter_variant(base, options), settings)
+
+    # -- the queue and the worker ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._work, name="dresd-generate", daemon=True)
+        self._worker.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is queued and what runs (it stops at its next step), then join."""
+        if self.current is not None:
+            self.current.cancelled.set()
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.post("error", RequestError("the server is shutting down", status=503))
+        self.jobs.put(None)
+        if self._worker is not None:
+            self._worker.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or refuse it with 503 when `--max-queue` requests are already waiting."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise RequestError(
+                f"the server's queue is full ({self.jobs.maxsize} requests waiting); "
+                "try again later", status=503) from None
+
+    @property
+    def waiting(self) -> int:
+        return self.jobs.qsize()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited
+                continue
+            self.current, self.running = job, 1
+            try:
+                outcome = ("done", self.generate(job))
+            except Exception as err:  # noqa: BLE001 - reported to that request; the worker lives on
+                outcome = ("error", err)
+            # Idle before the reply goes out: a client holding its response sees the server idle.
+            self.current, self.running = None, 0
+            job.post(*outcome)
+
+    def generate(self, job: Job) -> GenerationResult:
+        """Run one job on this thread, exactly as `dresd generate` would run its prompt."""
+        plan = job.plan
+        if plan.drafter is None:
+            # `ar` is transformers' generate, which has no per-step hook here: its tokens come
+            # in one piece at the end, and a client that leaves does not stop it.
+            result = MethodRunner(self.target, AR, plan.settings).generate(job.prompt_ids)
+            job.on_tokens(result.token_ids)
+            return result
+        return speculative_generate(
+            self.target.model,
+            plan.drafter,
+            torch.tensor([job.prompt_ids]),
+            max_new_tokens=plan.settings.max_new_tokens,
+            sampling=plan.settings.sampling,
+            eos_token_ids=self.target.eos_token_ids,
+            stop_strings=plan.settings.stop_strings,
+            tokenizer=self.target.tokenizer,
+            max_length=self.target.max_length,
+            on_tokens=job.on_tokens,
+        )
+
+
+def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
+    """`base` with some options changed, sharing its loaded datastore; a RequestError if an
+    option does not apply to the drafter or has a value it refuses."""
+    if not options:
+        return base
+    dense = isinstance(base, DenseDrafter)
+    fields = {f.name for f in dataclasses.fields(base) if f.init}
+    takes = sorted(key for key in REQUEST_DRAFTER_OPTIONS
+                   if key in fields or (dense and key == "draft_len"))
+    changes = {}
+    for key, value in options.items():
+        if key not in takes:
+            raise RequestError(f"option {key} does not apply to method {base.name}; it takes "
+                               f"{', '.join(takes) or 'none'}", param=key)
+        if not 1 <= value <= REQUEST_DRAFTER_OPTIONS[key]:
+            raise RequestError(f"option {key} must be between 1 and "
+                               f"{REQUEST_DRAFTER_OPTIONS[key]}, got {value}", param=key)
+        changes["len_drafts" if dense and key == "draft_len" else key] = value  # its own name
+    if dense:
+        # replace() would open the datastore again; a copy shares it. The range check above is
+        # all that DenseDrafter itself checks.
+        variant = copy.copy(base)
+        for name, value in changes.items():
+            setattr(variant, name, value)
+        return variant
+    if isinstance(base, DraftModelDrafter):
+        changes.update(_cache=None, _cached_tokens=[])  # its own small-model cache, not base's
+    try:
+        # The other drafters' __post_init__ only checks (REST keeps its opened index).
+        return dataclasses.replace(base, **changes)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
+
+
+def load_drafters(
+    target: Target,
+    datastores: list[Path],
+    options: dict,
+    draft_model_options: dict | None = None,
+) -> tuple[dict[tuple[str, str | None], Drafter], list[str]]:
+    """Every drafter the server offers, built once: none and pld always, draft with a draft
+    model, dresd and rest for each datastore holding their part. Returns them and the
+    datastores' names (their folder names)."""
+    drafters: dict[tuple[str, str | None], Drafter] = {
+        ("none", None): make_drafter("none"),
+        ("pld", None): make_drafter("pld", **options),
+    }
+    if draft_model_options is not None:
+        drafters[("draft", None)] = make_drafter("draft", **options, **draft_model_options)
+    names: list[str] = []
+    for folder in datastores:
+        name = folder.name
+        if name in names:
+            raise ValueError(f"two datastores are named {name!r}; a request names one by its "
+                             "folder name, so give folders distinct names")
+        names.append(name)
+        parts = kinds(read_manifest(folder))
+        for method, part in DATASTORE_METHODS.items():
+            if part in parts:
+                drafter = make_drafter(method, **{**options, "datastore": str(folder)})
+                drafter.check_target(target)  # a store built for another model is refused
+                drafters[(method, name)] = drafter
+    return drafters, names
+
+
+def request_settings(
+    defaults: GenerationSettings,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: list[str],
+) -> GenerationSettings:
+    """A request's generation settings: its own fields, else the command line's defaults.
+    Temperature 0 is greedy, and then top_p / top_k / seed do not matter (as in vLLM)."""
+    base = defaults.sampling
+    temperature = temperature if temperature is not None else (base.temperature if base else 0.0)
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}", param="temperature")
+    sampling = None
+    if temperature > 0:
+        try:
+            sampling = SamplingConfig(
+                temperature=temperature,
+                top_k=top_k if top_k is not None else (base.top_k if base else 0),
+                top_p=top_p if top_p is not None else (base.top_p if base else 1.0),
+                seed=seed if seed is not None else (base.seed if base else None),
+            )
+        except ValueError as err:
+            raise RequestError(str(err)) from None
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    return GenerationSettings(
+        max_new_tokens=max_tokens if max_tokens is not None else defaults.max_new_tokens,
+        sampling=sampling,
+        stop_strings=stop or list(defaults.stop_strings),
+    )
+
+
+def check_context(target: Target, prompt_ids: list[int], settings: GenerationSettings,
+                  max_tokens_given: bool) -> GenerationSettings:
+    """Refuse a prompt that does not fit the context, and (as vLLM does) a `max_tokens` that
+    would run past it; without `max_tokens` the default is cut to the room left."""
+    limit = target.max_length
+    if limit is None:
+        return settings
+    if len(prompt_ids) >= limit:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's maximum "
+                           f"context length is {limit} tokens")
+    room = limit - len(prompt_ids)
+    if settings.max_new_tokens <= room:
+        return settings
+    if max_tokens_given:
+        raise RequestError(
+            f"this model's maximum context length is {limit} tokens; you requested "
+            f"{len(prompt_ids) + settings.max_new_tokens} tokens ({len(prompt_ids)} in the "
+            f"prompt, {settings.max_new_tokens} in the completion)", param="max_tokens")
+    return dataclasses.replace(settings, max_new_tokens=room)

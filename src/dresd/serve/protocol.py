@@ -1,0 +1,239 @@
+"""The OpenAI wire format, for the subset served: requests in, completions and chunks out.
+
+Requests are pydantic models, so a field of the wrong type is a 400 with the field named.
+Fields this server does not know are ignored (and logged), as vLLM does. Besides OpenAI's
+fields a request may carry dresd's own in the body (the `openai` client's `extra_body`):
+`method`, `datastore`, `top_k` and the drafter options in `engine.REQUEST_DRAFTER_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationFields(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    # dresd's own, from the request body
+    method: str | None = None
+    datastore: str | None = None
+    top_k: int | None = None
+    num_drafts: int | None = None
+    draft_len: int | None = None
+    max_tree_nodes: int | None = None
+    k: int | None = None
+    max_ngram: int | None = None
+    min_ngram: int | None = None
+    max_suffix: int | None = None
+    min_suffix: int | None = None
+    max_matches: int | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def drafter_options(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in REQUEST_DRAFTER_OPTIONS
+                if getattr(self, key) is not None}
+
+    def check_supported(self) -> None:
+        """Refuse what this server does not do, rather than silently do something else."""
+        if self.n != 1:
+            raise RequestError("this server returns one choice per request (n must be 1)",
+                               param="n")
+        if self.logprobs not in (None, False, 0):
+            raise RequestError("logprobs are not supported by this server", param="logprobs")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str]
+    echo: bool = False
+
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The raw text tokenized as it is (as `dresd generate --no-chat-template`)."""
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1:
+            raise RequestError("this server takes one prompt per request", param="prompt")
+        if self.echo:
+            raise RequestError("echo is not supported by this server", param="echo")
+        if not prompts[0].strip():
+            raise RequestError("the prompt is empty", param="prompt")
+        return tokenizer(prompts[0], add_special_tokens=True)["input_ids"]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" for part in self.content):
+            raise RequestError("only text content parts are supported", param="messages")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The conversation through the chat template, the assistant's turn opened (for one
+        user message, exactly `dresd generate --prompt`'s token ids)."""
+        if not tokenizer.chat_template:
+            raise RequestError("this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        if not any(m["content"].strip() for m in messages):
+            raise RequestError("the messages are empty", param="messages")
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+        # Depending on the tokenizer this is a list of ids or a BatchEncoding.
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+class IncrementalText:
+    """Token ids in, text out in pieces, for streaming.
+
+    Every call decodes all the tokens so far (so a character whose bytes span two tokens comes
+    out whole) and releases only text that can no longer change: not a trailing incomplete
+    character, and, with stop strings, not the last (longest stop string - 1) characters,
+    which could begin one. As in OpenAI's API the stop string itself is never sent: the text
+    ends where it begins.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters released so far
+        self.stopped = False  # a stop string was found
+
+    def _text(self) -> tuple[str, bool]:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            return text[: min(cuts)], True
+        return text, False
+
+    def add(self, tokens: list[int]) -> str:
+        """The new text that is safe to send after these tokens."""
+        self.ids.extend(tokens)
+        text, self.stopped = self._text()
+        safe = len(text)
+        if not self.stopped:
+            safe = len(text.rstrip("\ufffd")) - self.hold
+        piece = text[self.sent : safe] if safe > self.sent else ""
+        self.sent += len(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text once generation has ended."""
+        text, self.stopped = self._text()
+        piece = text[self.sent :]
+        self.sent = len(text)
+        return piece
+
+    @property
+    def text(self) -> str:
+        return self._text()[0]
+
+
+def finish_reason(stop_reason: str, stop_string_found: bool) -> str:
+    """OpenAI's finish_reason for the loop's stop reason."""
+    if stop_string_found or stop_reason in ("eos", "stop_string"):
+        return "stop"
+    return "length"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
+                    text: str, reason: str, usage_: dict, figures: dict) -> dict:
+    """A whole (non-streaming) response; `dresd` carries the speculative figures."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": [choice], "usage": usage_, "dresd": figures}
+
+
+def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
+               text: str | None, reason: str | None, first: bool = False) -> dict:
+    """One streamed chunk: a piece of text, or the last one with its finish_reason."""
+    if kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
+                usage_: dict) -> dict:
+    """The last chunk when the request asked for `stream_options.include_usage`."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": request_id, "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage_}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    return {"error": {"message": message, "type": kinds.get(status, "InternalServerError"),
+                      "param": param, "code": status}}

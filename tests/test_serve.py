@@ -1,0 +1,338 @@
+"""`dresd serve` against real uvicorn processes on 127.0.0.1, with the official `openai` client.
+
+Two servers start at once (their model loads overlap): the main one, with a small dense +
+sparse datastore so that every method can be asked for, and one with a queue of a single
+request, for the 503 and disconnect tests. References are computed in this process exactly as
+`dresd generate` computes them (`MethodRunner`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from dresd.corpus import CorpusSpec
+from dresd.datastore.dense import DenseBuildConfig, build_dense
+from dresd.prompts import encode_prompt
+from dresd.runner import GenerationSettings, MethodRunner
+from dresd.serve import protocol
+from dresd.serve.local import LocalServer
+
+MAX_TOKENS = 12
+QUESTIONS = [f"What is {a} plus {b}? Answer in one sentence." for a, b in
+             [(2, 3), (7, 5), (10, 4), (6, 6), (12, 9), (3, 8), (15, 1), (4, 4),
+              (9, 2), (11, 7), (5, 13), (8, 8), (14, 6), (1, 19), (20, 2), (16, 3)]]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, default_target):
+    folder = tmp_path_factory.mktemp("serve")
+    corpus = folder / "sums.jsonl"
+    with corpus.open("w") as out:
+        for a in range(1, 9):
+            for b in range(1, 5):
+                out.write(json.dumps({"prompt": f"What is {a} plus {b}?",
+                                      "response": f"{a} plus {b} is {a + b}."}) + "\n")
+    store = build_dense(default_target, CorpusSpec([str(corpus)]), folder / "sums",
+                        DenseBuildConfig(pca_dim=8, index="exact"), progress=False,
+                        with_sparse=True)
+    # float32, as the references: token-identical to plain decoding on any machine
+    common = ["--threads", "1", "--max-new-tokens", str(MAX_TOKENS), "--dtype", "float32"]
+    main = LocalServer([*common, "--datastore", str(store), "--max-queue", "32"]).start()
+    small = LocalServer([*common, "--max-queue", "1"]).start()
+    try:
+        yield main.wait_ready(), small.wait_ready()
+    finally:
+        main.stop()
+        small.stop()
+    assert "Traceback" not in main.log() + small.log()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def reference(target, prompt: str, method: str = "pld", chat: bool = True,
+              max_tokens: int = MAX_TOKENS, stop: list[str] | None = None) -> str:
+    """What `dresd generate --method METHOD --prompt PROMPT` prints."""
+    runner = MethodRunner(target, method, GenerationSettings(max_tokens, None, stop or []))
+    result = runner.generate(encode_prompt(target.tokenizer, prompt, chat))
+    return target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def chat(client, prompt: str, **options):
+    return client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}],
+        **{"max_tokens": MAX_TOKENS, **options})
+
+
+def stream_chat(client, prompt: str, **options) -> tuple[list[str], str | None, object]:
+    """(content pieces, finish_reason, usage) of a streamed chat completion."""
+    pieces, finish, usage = [], None, None
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}],
+        stream=True, stream_options={"include_usage": True},
+        **{"max_tokens": MAX_TOKENS, **options})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    return pieces, finish, usage
+
+
+def raw_post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", path, body, {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    status, text = reply.status, reply.read().decode()
+    connection.close()
+    return status, json.loads(text)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of GET /metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = rf'^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$'
+    found = re.findall(pattern, text, re.MULTILINE)
+    return float(found[0]) if found else 0.0
+
+
+def finished(url: str) -> float:
+    """Requests that ended with their whole response."""
+    return sum(metric(url, "dresd:request_success_total", f'finished_reason="{reason}"')
+               for reason in ("stop", "length"))
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    status = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    status.request("GET", "/health")
+    assert status.getresponse().status == 200
+    assert metric(server.url, "dresd:num_requests_waiting") == 0
+
+
+def test_chat_is_what_generate_prints(client, default_target):
+    reply = chat(client, QUESTIONS[0])
+    expected = reference(default_target, QUESTIONS[0])
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens <= MAX_TOKENS
+    assert reply.usage.prompt_tokens == len(encode_prompt(default_target.tokenizer, QUESTIONS[0]))
+    assert reply.model_extra["dresd"]["method"] == "pld"
+
+
+def test_streamed_chat_is_the_whole_reply_in_pieces(client):
+    whole = chat(client, QUESTIONS[1])
+    pieces, finish, usage = stream_chat(client, QUESTIONS[1])
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert len(pieces) > 1  # streamed as steps accept tokens, not in one piece at the end
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_take_raw_text(client, default_target):
+    prompt = "The three primary colours are"
+    reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                      max_tokens=MAX_TOKENS)
+    assert reply.choices[0].text == reference(default_target, prompt, chat=False)
+    assert reply.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
+                                         max_tokens=MAX_TOKENS, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == reply.choices[0].text
+
+
+@pytest.mark.parametrize("method", ["none", "ar", "rest", "dresd"])
+def test_every_method_is_lossless(client, default_target, method):
+    # Chosen per request; greedy, every method gives the model's own output.
+    reply = chat(client, QUESTIONS[2], extra_body={"method": method})
+    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[2])
+    assert reply.model_extra["dresd"]["method"] == method
+
+
+def test_drafter_options_per_request(client, default_target):
+    reply = chat(client, QUESTIONS[3],
+                 extra_body={"method": "dresd", "datastore": "sums", "max_tree_nodes": 2})
+    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[3])
+
+
+def test_stop_string_ends_the_text_before_it(client, default_target):
+    full = reference(default_target, QUESTIONS[4])
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = " " + words[2]
+    expected = full[: full.index(stop)]
+    reply = chat(client, QUESTIONS[4], stop=[stop])
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    pieces, finish, _ = stream_chat(client, QUESTIONS[4], stop=stop)
+    assert "".join(pieces) == expected and finish == "stop"
+
+
+def test_a_seed_reproduces_a_sample(client):
+    def sample(seed: int) -> str:
+        reply = chat(client, "Tell me a story.", temperature=1.0, seed=seed, max_tokens=16)
+        return reply.choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first
+    assert len({first, sample(8), sample(9)}) > 1  # the seed, not greedy decoding, decides
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b'{"messages": [', 400, "not valid JSON"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}', 400,
+     "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', 400, "at least 1"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000000}', 400,
+     "maximum context length"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "method": "magic"}', 400,
+     "unknown method"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "method": "dresd", '
+     b'"datastore": "elsewhere"}', 400, "unknown datastore"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "method": "pld", "k": 5}', 400,
+     "does not apply"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "num_drafts": 100000}', 400,
+     "between 1 and"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -2}', 400,
+     "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}', 404,
+     "does not exist"),
+    (b'{"prompt": "' + b"hello " * 9000 + b'"}', 400, "maximum context length"),
+])
+def test_bad_input_is_an_openai_error(server, body, status, says):
+    path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"
+    code, reply = raw_post(server.url, path, body)
+    assert code == status
+    assert says in reply["error"]["message"] and reply["error"]["code"] == status
+    assert "Traceback" not in json.dumps(reply)
+
+
+def test_the_client_sees_errors_and_the_server_stays_up(client, server):
+    with pytest.raises(openai.BadRequestError, match="at least 1"):
+        chat(client, "hi", max_tokens=0)
+    assert chat(client, "hi", max_tokens=2).choices[0].message.content
+    lines = [line for line in server.log().splitlines() if "/v1/chat/completions" in line]
+    assert any(" 400 " in line and "at least 1" in line for line in lines)
+
+
+def test_sixteen_concurrent_streams_equal_sequential_output(client, server, default_target):
+    # Sequential first, in this process, so the server is busy only with the streams below.
+    expected = [reference(default_target, q) for q in QUESTIONS]
+    done_before = finished(server.url)
+
+    def one(question: str) -> tuple[str, float]:
+        started = time.perf_counter()
+        first = None
+        pieces = []
+        for chunk in client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+                max_tokens=MAX_TOKENS, stream=True):
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first or time.perf_counter() - started
+                    pieces.append(choice.delta.content)
+        return "".join(pieces), first
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        answers = list(pool.map(one, QUESTIONS))
+    assert [text for text, _ in answers] == expected
+    assert all(ttft is not None for _, ttft in answers)
+    assert metric(server.url, "dresd:num_requests_running") == 0
+    assert finished(server.url) - done_before == len(QUESTIONS)
+    assert metric(server.url, "dresd:spec_decode_mean_acceptance_length") >= 1.0
+
+
+def test_a_full_queue_is_503(servers):
+    small = servers[1]
+    client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    # One long generation runs and one waits; the queue (1) is then full. Plain decoding
+    # ("none"): a count is what prompt lookup would draft well, and this one must be slow.
+    def long_one() -> None:
+        chat(client, "Count from 1 to 300, one number per line.", max_tokens=60,
+             extra_body={"method": "none"})
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 30
+        while metric(small.url, name) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=long_one) for _ in range(2)]
+    threads[0].start()
+    wait_for("dresd:num_requests_running")
+    threads[1].start()
+    wait_for("dresd:num_requests_waiting")
+    with pytest.raises(openai.APIStatusError) as refused:
+        chat(client, "hi")
+    assert refused.value.status_code == 503 and "queue is full" in str(refused.value)
+    for thread in threads:
+        thread.join()
+    assert chat(client, "hi", max_tokens=2).choices[0].message.content  # up, and serving
+
+
+def test_a_client_that_leaves_stops_its_generation(servers):
+    small = servers[1]
+    aborted = metric(small.url, "dresd:request_success_total", 'finished_reason="abort"')
+    connection = http.client.HTTPConnection("127.0.0.1", small.port, timeout=60)
+    essay = "Write a very long essay about the history of Rome, with many details."
+    body = {"messages": [{"role": "user", "content": essay}],
+            "max_tokens": 4000, "stream": True, "method": "none"}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    while not re.search(rb'"content": "[^"]', reply.readline()):
+        pass  # until the first piece of text
+    connection.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    connection.close()
+    # 4000 tokens of plain decoding take minutes; a cancelled generation ends at its next step.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (metric(small.url, "dresd:request_success_total", 'finished_reason="abort"')
+                > aborted and metric(small.url, "dresd:num_requests_running") == 0):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the generation went on after its client left")
+    assert chat(openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0),
+                "hi", max_tokens=2).choices[0].message.content
+
+
+def test_streamed_text_keeps_multibyte_characters_whole(default_target):
+    tokenizer = default_target.tokenizer
+    text = "Drachen 🐉 fliegen über Zürich, 東京 too."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # some characters take several tokens
+    pieces = protocol.IncrementalText(tokenizer, stop=[])
+    sent = [pieces.add([token]) for token in ids] + [pieces.finish()]
+    assert "".join(sent) == tokenizer.decode(ids)
+    assert not any("\ufffd" in piece for piece in sent)
+
+
+def test_streamed_text_never_sends_a_stop_string(default_target):
+    tokenizer = default_target.tokenizer
+    ids = tokenizer("one two three four five", add_special_tokens=False)["input_ids"]
+    pieces = protocol.IncrementalText(tokenizer, stop=[" four"])
+    sent = [pieces.add([token]) for token in ids] + [pieces.finish()]
+    assert "".join(sent) == "one two three" and pieces.stopped
