@@ -86,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     from dresd.serve.cli import add_serve_command  # the server's options and handler
     add_serve_command(commands)
 
-
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
     fetch.set_defaults(func=cmd_fetch_model)
 
