@@ -276,3 +276,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "needs --datastore" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 2
     assert "not a datastore" in capsys.readouterr().err
+
+
+def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target):
+    """Hybrid with a dense store and a cheap verify curve: exact, and DReSD's candidates pay."""
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    reference = MethodRunner(default_target, AR, settings)
+    flat = {1: 1.0, 16: 1.2, 64: 2.0}
+    hybrid = MethodRunner(default_target, "hybrid", settings, datastore=str(datastore), cost=flat)
+    assert set(hybrid.drafter.sources) == {"pld", "dresd"}  # a dense-only store: no REST
+    for prompt in PROMPTS[:2]:
+        ids = encode_prompt(default_target.tokenizer, prompt)
+        result = hybrid.generate(ids)
+        assert result.token_ids == reference.generate(ids).token_ids
+        assert len(result.token_ids) / result.num_target_forwards >= 2.0

@@ -10,7 +10,7 @@ from drafters_for_tests import FixedDrafter, OracleDrafter, RandomTreeDrafter
 from transformers import LlamaForCausalLM
 
 from dresd.decoding import speculative_generate, supports_tree_attention
-from dresd.drafters import DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from dresd.drafters import DraftModelDrafter, HybridDrafter, NoDrafter, PromptLookupDrafter
 
 
 def varied_prompts(count: int = 24, seed: int = 0) -> list[list[int]]:
@@ -48,7 +48,8 @@ def spec(model, drafter, prompt, max_new_tokens, eos=None):
                                       seed=len(prompt), vocab_size=TINY_VOCAB),
     lambda prompt, ref: FixedDrafter([]),  # an empty draft
     lambda prompt, ref: FixedDrafter([list(range(100))]),  # longer than all that remains
-], ids=["none", "pld", "random-trees", "oracle", "empty-draft", "very-long-draft"])
+    lambda prompt, ref: HybridDrafter(cost={1: 1.0, 64: 1.0}),  # PLD candidates, all kept
+], ids=["none", "pld", "random-trees", "oracle", "empty-draft", "very-long-draft", "hybrid"])
 def test_greedy_matches_generate(tiny, make_drafter):
     for prompt in varied_prompts():
         ref = reference_greedy(tiny, prompt, 40)

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", choices=METHODS, default="pld",
                      help="ar: transformers generate; none: plain decoding in the speculative "
                           "loop; pld: prompt lookup (default); dresd: dense retrieval; "
-                          "rest: REST's sparse retrieval (dresd and rest need --datastore)")
+                          "rest: REST's sparse retrieval (dresd and rest need --datastore); "
+                          "hybrid: PLD, REST and DReSD candidates in one tree sized by this "
+                          "machine's verify cost (REST and DReSD from --datastore if given)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", type=Path,
@@ -85,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from dresd.serve.cli import add_serve_command  # the server's options and handler
     add_serve_command(commands)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure this machine's verify-cost curve (what `hybrid` budgets by)")
+    calibrate.add_argument("--model", default=DEFAULT_MODEL)
+    calibrate.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    _add_dtype_option(calibrate)
+    calibrate.add_argument("--force", action="store_true", help="measure again, even if cached")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     fetch = commands.add_parser("fetch-model", help="provision and cache the default model")
     fetch.set_defaults(func=cmd_fetch_model)
@@ -335,7 +345,7 @@ def drafter_settings(drafter: object) -> dict:
 
 
 # Drafter fields a --methods entry cannot set: they are objects, or shared by the whole run.
-NOT_PER_METHOD = ("datastore", "name", "model")
+NOT_PER_METHOD = ("datastore", "name", "model", "cost")
 
 
 def parse_methods(text: str) -> list[tuple[str, str, dict]]:
@@ -414,6 +424,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "drafter_options": {r.label: drafter_settings(r.drafter) for r in runners if r.drafter},
     }
+    curves = {r.label: r.drafter.cost for r in runners if getattr(r.drafter, "cost", None)}
+    if curves:  # what `hybrid` budgeted by: the verify cost by tree tokens, in decode steps
+        meta["verify_cost_curve"] = next(iter(curves.values()))
     if args.datastore and (args.datastore / "manifest.json").is_file():
         meta["datastore"] = str(args.datastore)
         meta["datastore_manifest"] = json.loads((args.datastore / "manifest.json").read_text())
@@ -429,6 +442,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if interrupted:
         print("dresd: interrupted; the report covers the prompts that finished", file=sys.stderr)
         return 130
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dresd.calibrate import curve_path, load_or_measure
+
+    set_threads(args)
+    target = load_target_from_args(args)
+    cost = load_or_measure(target, force=args.force)
+    print(f"verify cost in decode steps ({dtype_name(target.dtype)}, "
+          f"{torch.get_num_threads()} thread(s)); cached in {curve_path(target)}")
+    for size, value in cost.items():
+        print(f"  {size:3d} tokens: {value:.2f}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dresd.drafters.base import Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
+from dresd.drafters.hybrid import HybridDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.model import DraftModelDrafter
 from dresd.drafters.none import NoDrafter
@@ -16,6 +17,7 @@ DRAFTERS: dict[str, type] = {
     "draft": DraftModelDrafter,
     "dresd": DenseDrafter,  # needs datastore=DIR
     "rest": RestDrafter,  # needs datastore=DIR
+    "hybrid": HybridDrafter,  # PLD, and REST / DReSD from datastore=DIR if given
 }
 
 
@@ -29,4 +31,4 @@ def make_drafter(method: str, **options) -> Drafter:
 
 
 __all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter", "Drafter",
-           "NoDrafter", "PromptLookupDrafter", "RestDrafter", "make_drafter"]
+           "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "make_drafter"]

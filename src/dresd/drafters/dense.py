@@ -55,10 +55,9 @@ class DenseDrafter:
         """Refuse a datastore built by another model or tokenizer (the runner calls this)."""
         self.store.check_compatible(target)
 
-    def propose(self, context: DraftContext) -> list[Draft]:
-        draft_len = min(self.len_drafts, context.max_draft_len)
-        if draft_len < 1:
-            return []
+    def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[np.ndarray]:
+        """Every kept neighbour's draft, in ANN rank order, repeats included: the entries
+        whose stored first token is the bonus token, and the `draft_len` tokens after it."""
         state = context.hidden_state.detach().to("cpu").float().numpy()
         ids = self.store.search(state, self.k)
         if len(ids) == 0:
@@ -68,12 +67,18 @@ class DenseDrafter:
         bonus = int(context.token_ids[-1])
         firsts = stream[start].astype(np.int64)
         kept = zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True)
+        return [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
+
+    def propose(self, context: DraftContext) -> list[Draft]:
+        draft_len = min(self.len_drafts, context.max_draft_len)
+        if draft_len < 1:
+            return []
+        every = self.neighbour_drafts(context, draft_len)
         if self.max_tree_nodes is not None:
-            every = [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
             return prefix_tree_drafts(every, self.max_tree_nodes)
         drafts: list[Draft] = []
-        for begin, stop in kept:
-            draft = stream[begin : min(stop, begin + draft_len)].tolist()
+        for draft in every:
+            draft = draft.tolist()
             if draft and draft not in drafts:
                 drafts.append(draft)
                 if len(drafts) == self.num_drafts:

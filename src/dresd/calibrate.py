@@ -1,0 +1,121 @@
+"""The machine's verify-cost curve: what a forward over a tree of t tokens costs, in decode steps.
+
+Whether a draft pays depends on this curve: a tree of t tokens that is expected to yield E tokens
+is worth verifying when E / cost(t) beats plain decoding's 1 / cost(1) = 1. The curve depends on
+the model, the dtype, the thread count and the device, so `dresd calibrate` measures it once for
+each and caches it as JSON under `$DRESD_CACHE/calibration/`; the `hybrid` drafter reads it.
+
+    cost(t) = median time of a forward over t tree tokens / median time of a one-token step
+
+measured on a warm KV cache of `context_len` random tokens, tree sizes interleaved within each
+repetition so that machine drift hits all of them alike. Between measured sizes the curve is
+interpolated linearly, and beyond the last it grows by the last segment's slope.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from dresd.datastore.format import model_fingerprint
+from dresd.fastpath import dtype_name
+from dresd.models import Target, cache_dir
+
+if TYPE_CHECKING:
+    from dresd.decoding.tree import DraftTree
+
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
+    """A bushy tree of exactly `size` nodes (root included), like merged retrieval drafts."""
+    from dresd.decoding.tree import DraftTree  # the decoding package imports the drafters
+
+    tree = DraftTree.from_drafts(int(rng.integers(vocab)), [])
+    leaves: list[list[int]] = []
+    while len(tree) < size:
+        parent = int(rng.integers(len(tree)))
+        leaves.append([tree.tokens[i] for i in tree.path_to(parent)[1:]]
+                      + [int(rng.integers(vocab))])
+        tree = DraftTree.from_drafts(tree.tokens[0], leaves)
+    return tree
+
+
+@torch.inference_mode()
+def measure_verify_cost(model: torch.nn.Module, sizes: tuple[int, ...] = TREE_SIZES,
+                        context_len: int = 256, repeats: int = 7) -> dict[int, float]:
+    """cost(t) for each tree size t (t = 1 is the one-token step, cost 1.0)."""
+    from dresd.decoding.generate import target_forward  # it imports the drafters: this one too
+
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    target_forward(model, torch.tensor([rng.integers(vocab, size=context_len).tolist()],
+                                       device=device), cache)
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for repeat in range(repeats + 1):
+        for size in sizes:
+            tree = random_tree(size, vocab, rng)
+            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype)
+            started = perf_counter()
+            target_forward(model, tree.input_ids(), cache, tree.position_ids(context_len), mask)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = perf_counter() - started
+            cache.crop(-size)
+            if repeat > 0:  # the first round is a warm-up
+                times[size].append(elapsed)
+    step = statistics.median(times[1])
+    return {size: statistics.median(t) / step for size, t in times.items()}
+
+
+def curve_path(target: Target) -> Path:
+    """Where the curve of this model, dtype, thread count and device is cached."""
+    device = target.device.type
+    name = (f"{model_fingerprint(target.model)[:16]}-{dtype_name(target.dtype)}-"
+            f"{torch.get_num_threads()}threads-{device}.json")
+    return cache_dir() / "calibration" / name
+
+
+def load_or_measure(target: Target, force: bool = False, quiet: bool = False) -> dict[int, float]:
+    """The cached curve for `target` as it runs now, measured (and cached) the first time."""
+    path = curve_path(target)
+    if path.exists() and not force:
+        return {int(size): cost for size, cost in json.loads(path.read_text())["cost"].items()}
+    if not quiet:
+        print(f"dresd: measuring the verify-cost curve once for this model, dtype and thread "
+              f"count (cached in {path})", file=sys.stderr)
+    cost = measure_verify_cost(target.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"model": target.name, "dtype": dtype_name(target.dtype),
+              "threads": torch.get_num_threads(), "device": target.device.type,
+              "cost": {str(size): value for size, value in cost.items()}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)  # atomic: a reader sees a whole curve or none
+    return cost
+
+
+def cost_at(curve: dict[int, float], size: int) -> float:
+    """cost(size) from a measured curve: linear between points, the last slope beyond them."""
+    sizes = sorted(curve)
+    if size in curve:
+        return curve[size]
+    if size < sizes[0]:
+        return curve[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:], strict=False):
+        if lo < size < hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (size - lo) / (hi - lo)
+    lo, hi = sizes[-2:] if len(sizes) > 1 else (sizes[0], sizes[0])
+    slope = (curve[hi] - curve[lo]) / (hi - lo) if hi > lo else 0.0
+    return curve[hi] + slope * (size - hi)

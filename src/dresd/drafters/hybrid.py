@@ -1,0 +1,221 @@
+"""Hybrid: one draft tree from every drafter's candidates, cut at each step where it pays most.
+
+No single drafter wins everywhere: prompt lookup where the answer copies the prompt, dense
+retrieval with an in-domain store, REST in between; and the tree size that pays depends on the
+machine's verify-cost curve. At every step this drafter:
+
+1. Collects candidates: PLD's drafts, REST's most frequent prefixes and every DReSD neighbour's
+   draft (whichever the datastore holds), merged into one trie rooted at the bonus token.
+2. Gives each node v an acceptance estimate. p(v) = P(v accepted | its parent accepted) is read
+   from a table of Beta posteriors keyed by the node's features: which sources propose it, how
+   many dense neighbours agree on it (0, 1, 2-3, 4+) and its depth (1, 2, 3, 4+):
+
+       p(cell) = (accepted(cell) + s * prior(cell)) / (tried(cell) + s),  s = prior_strength
+
+   Siblings are exclusive (one token comes next), so their p are scaled to sum to at most 1.
+   P(v) = p(v) * P(parent): the probability that verification reaches v.
+3. Keeps the tree that maximises expected tokens per unit of verify cost. A node's P is never
+   above its parent's, so the n most probable nodes form a tree; with cost(t) the measured
+   cost of verifying t tokens, in decode steps (`dresd.calibrate`):
+
+       n* = argmax_n  (1 + sum of the n largest P) / cost(n + 1)
+
+   n = 0 is plain decoding (ratio 1): when no candidate is worth its cost, nothing is drafted.
+4. Learns: the next call's context holds the tokens the step emitted (the accepted path and the
+   bonus token), so every candidate whose parent lay on that path is an observation, verified
+   or not: accepted if its token is the one that came. The table persists across generations
+   of one drafter, so a bench or a server calibrates it on its own workload.
+
+The priors are deliberately mild guesses (agreement between sources and neighbours helps, depth
+hurts); `prior_strength` = 4 observations, so a few steps of this workload override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dresd.calibrate import cost_at, load_or_measure
+from dresd.datastore.format import read_manifest
+from dresd.datastore.sparse_store import kinds
+from dresd.drafters.base import Draft, DraftContext
+from dresd.drafters.dense import DenseDrafter
+from dresd.drafters.lookup import PromptLookupDrafter
+from dresd.drafters.rest import RestDrafter
+from dresd.models import Target
+
+Cell = tuple[tuple[str, ...], int, int]  # (sources, support bucket, depth bucket)
+
+
+def support_bucket(neighbours: int) -> int:
+    """0, 1, 2-3, 4+ dense neighbours agreeing on a node -> 0, 1, 2, 3."""
+    return 0 if neighbours == 0 else 1 if neighbours == 1 else 2 if neighbours < 4 else 3
+
+
+def prior_mean(cell: Cell) -> float:
+    """A mild guess at p(cell) before any observation: 0.25 for one source at depth 1, more
+    with every other source and with agreeing neighbours, less with depth."""
+    sources, support, depth = cell
+    guess = 0.25 + 0.15 * (len(sources) - 1) + 0.1 * max(support - 1, 0)
+    return min(0.85, guess) * 0.9 ** (depth - 1)
+
+
+@dataclass
+class AcceptanceTable:
+    """p(node accepted | parent accepted) per feature cell, a Beta posterior (see module doc)."""
+
+    prior_strength: float = 4.0
+    counts: dict[Cell, list[float]] = field(default_factory=dict)  # cell -> [accepted, tried]
+
+    def probability(self, cell: Cell) -> float:
+        accepted, tried = self.counts.get(cell, (0.0, 0.0))
+        return (accepted + self.prior_strength * prior_mean(cell)) / (tried + self.prior_strength)
+
+    def observe(self, cell: Cell, accepted: bool) -> None:
+        counts = self.counts.setdefault(cell, [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += 1
+
+
+@dataclass
+class CandidateTree:
+    """The merged trie of every source's candidates; node 0 is the root (the bonus token)."""
+
+    tokens: list[int] = field(default_factory=lambda: [-1])
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    sources: list[set[str]] = field(default_factory=lambda: [set()])
+    support: list[int] = field(default_factory=lambda: [0])  # dense neighbours through node
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+
+    def add(self, draft: Draft, source: str) -> None:
+        node = 0
+        for token in draft:
+            child = self.children[node].get(int(token))
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(int(token))
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.sources.append(set())
+                self.support.append(0)
+                self.children.append({})
+                self.children[node][int(token)] = child
+            self.sources[child].add(source)
+            self.support[child] += source == "dresd"
+            node = child
+
+    def cell(self, node: int) -> Cell:
+        return (tuple(sorted(self.sources[node])), support_bucket(self.support[node]),
+                min(self.depths[node], 4))
+
+    def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
+        """P(v) for every node: the probability that verification reaches it (root: 1)."""
+        reach = [1.0] * len(self.tokens)
+        for node in range(len(self.tokens)):  # parents come before children
+            kids = list(self.children[node].values())
+            p = [table.probability(self.cell(kid)) for kid in kids]
+            scale = min(1.0, 1.0 / sum(p)) if p else 1.0  # siblings are exclusive
+            for kid, pk in zip(kids, p, strict=True):
+                reach[kid] = reach[node] * pk * scale
+        return reach
+
+    def path(self, node: int) -> list[int]:
+        tokens = []
+        while node > 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
+
+def best_budget(reach: list[float], cost: dict[int, float]) -> int:
+    """n* = argmax_n (1 + sum of the n largest reach probabilities) / cost(n + 1)."""
+    ranked = sorted(reach, reverse=True)
+    best_n, best_ratio, expected = 0, 1.0 / cost_at(cost, 1), 1.0
+    for n, p in enumerate(ranked, start=1):
+        expected += p
+        ratio = expected / cost_at(cost, n + 1)
+        if ratio > best_ratio:
+            best_n, best_ratio = n, ratio
+    return best_n
+
+
+@dataclass
+class HybridDrafter:
+    datastore: str | Path | None = None  # dense and/or sparse parts add DReSD and REST
+    draft_len: int = 10  # tokens per candidate at most
+    max_tree_nodes: int = 64  # candidates considered at most (the most probable)
+    prior_strength: float = 4.0  # observations the prior is worth
+    # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
+    cost: dict[int, float] | None = None
+    name: str = "hybrid"
+    table: AcceptanceTable = field(init=False, repr=False)
+    sources: dict = field(init=False, repr=False)
+    # the previous step: (candidate tree, context length, the context's last 16 tokens)
+    last: tuple | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.draft_len < 1 or self.max_tree_nodes < 1:
+            raise ValueError("hybrid needs draft_len and max_tree_nodes >= 1")
+        self.table = AcceptanceTable(self.prior_strength)
+        self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3)}
+        if self.datastore is not None:
+            parts = kinds(read_manifest(self.datastore))
+            if "sparse" in parts:
+                self.sources["rest"] = RestDrafter(self.datastore, draft_len=self.draft_len,
+                                                   max_tree_nodes=16)
+            if "dense" in parts:
+                self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len)
+
+    def check_target(self, target: Target) -> None:
+        """Refuse stores of another model; take this machine's verify-cost curve."""
+        for source in self.sources.values():
+            if hasattr(source, "check_target"):
+                source.check_target(target)
+        if self.cost is None:
+            self.cost = load_or_measure(target)
+
+    def propose(self, context: DraftContext) -> list[Draft]:
+        if self.cost is None:
+            raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
+                             "call check_target(target) (the runner does), which measures it")
+        self._learn(context.token_ids)
+        tree = CandidateTree()
+        draft_len = min(self.draft_len, context.max_draft_len)
+        if draft_len >= 1:
+            for name, source in self.sources.items():
+                if name == "dresd":  # every neighbour counts: agreement is a feature
+                    drafts = source.neighbour_drafts(context, draft_len)
+                else:
+                    drafts = source.propose(context)
+                for draft in drafts:
+                    tree.add(draft[:draft_len], name)
+        length = len(context.token_ids)
+        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy())
+        if len(tree.tokens) == 1:
+            return []
+        reach = tree.reach_probabilities(self.table)
+        order = np.argsort(-np.asarray(reach[1:]), kind="stable")[: self.max_tree_nodes] + 1
+        n = best_budget([reach[i] for i in order], self.cost)
+        kept = set(order[:n].tolist())
+        leaves = [v for v in kept if not any(c in kept for c in tree.children[v].values())]
+        return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])]
+
+    def _learn(self, token_ids: np.ndarray) -> None:
+        """Score the previous step's candidates against the tokens that step emitted."""
+        if self.last is None:
+            return
+        tree, length, tail = self.last
+        self.last = None
+        if len(token_ids) <= length or not np.array_equal(token_ids[length - len(tail) : length],
+                                                          tail):
+            return  # a new generation: the last step's candidates are not comparable
+        node = 0
+        for token in token_ids[length:].tolist():
+            for child in tree.children[node].values():
+                self.table.observe(tree.cell(child), tree.tokens[child] == token)
+            node = tree.children[node].get(token, -1)
+            if node < 0:
+                return

@@ -1,0 +1,82 @@
+"""The hybrid drafter's parts: the acceptance table, reach probabilities, the budget choice,
+and learning from what the target emitted. (Losslessness: test_lossless_greedy, test_dense.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dresd.calibrate import cost_at
+from dresd.drafters.base import DraftContext
+from dresd.drafters.hybrid import AcceptanceTable, CandidateTree, HybridDrafter, best_budget
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = {1: 1.0, 4: 1.3, 8: 2.1}
+    assert cost_at(curve, 4) == 1.3
+    assert cost_at(curve, 2) == pytest.approx(1.1)
+    assert cost_at(curve, 6) == pytest.approx(1.7)
+    assert cost_at(curve, 12) == pytest.approx(2.9)  # the last slope, 0.2 per token
+
+
+def test_table_moves_from_its_prior_to_the_observed_rate():
+    table = AcceptanceTable(prior_strength=4.0)
+    cell = (("pld",), 0, 1)
+    prior = table.probability(cell)
+    # Before any observation: agreement between sources and neighbours raises the estimate.
+    assert table.probability((("dresd", "pld"), 3, 1)) > prior
+    for accepted in [True] * 90 + [False] * 10:
+        table.observe(cell, accepted)
+    assert table.probability(cell) == pytest.approx((90 + 4 * prior) / 104)
+
+
+def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
+    tree = CandidateTree()
+    for draft in ([1, 2, 3], [1, 4], [5], [6], [7]):
+        tree.add(draft, "pld")
+    table = AcceptanceTable()
+    for cell in {tree.cell(v) for v in range(1, len(tree.tokens))}:
+        for _ in range(50):
+            table.observe(cell, True)  # p near 1: four siblings at the root must share 1
+    reach = tree.reach_probabilities(table)
+    root_children = list(tree.children[0].values())
+    assert sum(reach[v] for v in root_children) <= 1.0 + 1e-9
+    for v in range(1, len(tree.tokens)):
+        assert reach[v] <= reach[tree.parents[v]]
+
+
+@pytest.mark.parametrize(("reach", "curve", "expected"), [
+    ([0.9, 0.8, 0.7, 0.1], {1: 1.0, 64: 1.0}, 4),  # free verification: keep every candidate
+    ([0.9, 0.8, 0.7, 0.1], {1: 1.0, 2: 2.0, 64: 64.0}, 0),  # each token a step: never pays
+    # cost 1, 1.1, 1.2, 1.6, 2.0 for 1..5 tokens: ratios 1, 1.73, 2.25, 1.56, 1.3 -> keep 2
+    ([0.9, 0.8, 0.2, 0.1], {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.6, 5: 2.0}, 2),
+    ([], {1: 1.0, 64: 1.0}, 0),
+])
+def test_budget_maximises_expected_tokens_per_cost(reach, curve, expected):
+    assert best_budget(reach, curve) == expected
+
+
+def context(tokens: list[int], remaining: int = 50) -> DraftContext:
+    return DraftContext(np.array(tokens, dtype=np.int64), torch.zeros(4), remaining)
+
+
+def test_hybrid_learns_from_the_emitted_tokens_and_stops_drafting_when_it_pays_not():
+    # The prompt repeats "1 2 3 4 5" so that PLD proposes "3 4 5 ..." after "1 2"; but each
+    # step the model emits a token never seen before, then "1 2" again: every candidate fails.
+    motif = [1, 2, 3, 4, 5]
+    drafter = HybridDrafter(cost={1: 1.0, 2: 1.15, 4: 1.45, 8: 2.1, 16: 3.4})
+    tokens = motif * 4 + [1, 2]
+    drafts = drafter.propose(context(tokens))
+    assert drafts and drafts[0][0] == 3  # the prior finds PLD's match worth a try
+    for fresh in range(100, 130):
+        tokens = tokens + [fresh, 1, 2]
+        drafts = drafter.propose(context(tokens))
+    (accepted, tried), = [c for cell, c in drafter.table.counts.items() if cell[2] == 1]
+    assert tried >= 30 and accepted == 0
+    assert drafts == []  # nothing is worth verifying any more: plain decoding
+
+
+def test_hybrid_needs_a_cost_curve():
+    with pytest.raises(ValueError, match="verify-cost curve"):
+        HybridDrafter().propose(context([1, 2, 3]))
