@@ -213,6 +213,9 @@ def speculative_generate(
             )
         )
 
+    observe = getattr(drafter, "observe", None)
+    if observe is not None:  # a drafter that learns keeps what the model just said
+        observe(prompt, result.token_ids)
     result.num_target_forwards = 1 + len(result.steps)
     result.total_seconds = perf_counter() - started
     return result

@@ -8,6 +8,7 @@ from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.model import DraftModelDrafter
 from dresd.drafters.none import NoDrafter
 from dresd.drafters.rest import RestDrafter
+from dresd.drafters.suffix import SuffixDrafter
 
 # method name -> drafter class; each takes its own keyword options
 DRAFTERS: dict[str, type] = {
@@ -16,6 +17,7 @@ DRAFTERS: dict[str, type] = {
     "draft": DraftModelDrafter,
     "dresd": DenseDrafter,  # needs datastore=DIR
     "rest": RestDrafter,  # needs datastore=DIR
+    "suffix": SuffixDrafter,  # SuffixDecoding: suffix tries over the request and past outputs
 }
 
 
@@ -29,4 +31,4 @@ def make_drafter(method: str, **options) -> Drafter:
 
 
 __all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter", "Drafter",
-           "NoDrafter", "PromptLookupDrafter", "RestDrafter", "make_drafter"]
+           "NoDrafter", "PromptLookupDrafter", "RestDrafter", "SuffixDrafter", "make_drafter"]
