@@ -1,17 +1,24 @@
-"""`--learn` for REST: finished outputs join an in-memory side store searched with the datastore."""
+"""`--learn`: finished outputs join an in-memory side store searched with the datastore (REST's
+token ids; DReSD's keys, from the hidden states the verify passes computed)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_VOCAB
 from corpus_helpers import concat, random_docs
+from drafters_for_tests import RandomTreeDrafter
+from test_dense import SMALL_BUILD, text_corpus
 from test_lossless_greedy import reference_greedy, spec, varied_prompts
 from test_rest import brute_force_rest, rest_drafts
 
+from dresd.datastore import dense
 from dresd.datastore.sparse import build_sparse
 from dresd.drafters import DraftContext, RestDrafter
 from dresd.drafters.learned import LearnedSparseStore
+from dresd.prompts import encode_prompt
+from dresd.runner import AR, GenerationSettings, MethodRunner
 
 torch.set_num_threads(1)
 
@@ -77,3 +84,54 @@ def test_a_second_identical_request_drafts_from_the_first_output(tiny, tmp_path)
             assert len(second.steps) < len(first.steps) / 3
         else:
             assert len(second.steps) == len(first.steps)
+
+
+class RecordingDrafter(RandomTreeDrafter):
+    """Random trees (varied accepted runs), and a record of what `observe` is handed."""
+
+    def observe(self, prompt, output, hidden_states=None):
+        self.seen = (prompt, output, hidden_states)
+
+
+def test_the_loop_hands_observe_the_states_that_predicted_each_output_token(tiny):
+    """states[j] is the last-layer hidden state that predicted output token j: a plain forward
+    over prompt + output gives it at position len(prompt) - 1 + j. Also when an EOS inside an
+    accepted run ends the generation mid-step."""
+    for i, prompt in enumerate(varied_prompts(8, seed=5)):
+        free_run = reference_greedy(tiny, prompt, 30)
+        eos = free_run[20] if i % 2 else None
+        drafter = RecordingDrafter(TINY_VOCAB, seed=i)
+        result = spec(tiny, drafter, prompt, 30, eos=eos)
+        seen_prompt, output, states = drafter.seen
+        assert seen_prompt == prompt and output == result.token_ids
+        with torch.inference_mode():
+            full = tiny(torch.tensor([prompt + output]), output_hidden_states=True)
+        expected = full.hidden_states[-1][0, len(prompt) - 1 : len(prompt) - 1 + len(output)]
+        assert states.shape == expected.shape
+        torch.testing.assert_close(states, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def unrelated_dense_store(tmp_path_factory, default_target):
+    """A dense datastore of short numbered texts: nothing a chat answer would continue."""
+    folder = tmp_path_factory.mktemp("dense")
+    return dense.build_dense(default_target, text_corpus(folder / "texts"), folder / "store",
+                             dense.DenseBuildConfig(pca_dim=8, **SMALL_BUILD), progress=False)
+
+
+def test_dresd_second_identical_request_drafts_from_the_first_output(default_target,
+                                                                     unrelated_dense_store):
+    torch.set_num_threads(1)
+    settings = GenerationSettings(40)
+    ids = encode_prompt(default_target.tokenizer, "Explain what a prime number is.")
+    expected = MethodRunner(default_target, AR, settings).generate(ids).token_ids
+    per_forward = {}
+    for learn in (True, False):
+        runner = MethodRunner(default_target, "dresd", settings, learn=learn,
+                              datastore=str(unrelated_dense_store))
+        first, second = runner.generate(ids), runner.generate(ids)
+        assert first.token_ids == second.token_ids == expected
+        per_forward[learn] = len(second.token_ids) / second.num_target_forwards
+        if learn:
+            assert runner.drafter.learned.num_tokens == 2 * len(expected)
+    assert per_forward[True] >= 3.0 > 1.5 >= per_forward[False], per_forward

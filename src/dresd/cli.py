@@ -191,8 +191,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "paper's --num-drafts x --draft-len shape; suffix: tokens per "
                         "speculation tree, default 32)")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
-                   help="suffix, rest: keep each finished output in an in-memory store searched "
-                        "with the others (suffix default: on, its global tree; rest: off)")
+                   help="suffix, rest, dresd: keep each finished output in an in-memory store "
+                        "searched with the others (suffix default: on, its global tree; rest, "
+                        "dresd: off)")
     p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
                    help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
     p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
@@ -202,10 +203,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-min-prob", type=float, default=None, dest="min_token_prob",
                    help="suffix: least empirical probability of a drafted token (default 0.1)")
     p.add_argument("--suffix-cache-requests", type=int, default=None, dest="max_cached_requests",
-                   help="suffix, rest --learn: outputs kept, oldest evicted first (default 1000)")
+                   help="--learn: outputs kept, oldest evicted first (default 1000)")
     p.add_argument("--suffix-cache-tokens", type=int, default=None, dest="max_cached_tokens",
-                   help="suffix, rest --learn: tokens kept, oldest outputs evicted first "
-                        "(default 100000)")
+                   help="--learn: tokens kept, oldest outputs evicted first (default 100000)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
