@@ -297,6 +297,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.method in ("dresd", "rest") and args.datastore is None:
         raise UserError(f"--method {args.method} needs --datastore DIR "
                         "(build one with `dresd build`)")
+    if args.learn is not None and "learn" not in getattr(DRAFTERS.get(args.method),
+                                                         "__dataclass_fields__", {}):
+        raise UserError(f"--learn applies to suffix, rest and dresd, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():

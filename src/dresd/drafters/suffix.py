@@ -34,9 +34,11 @@ then the per-request trie). Its root-to-leaf paths are the drafts. Trees are no 
 D - m (the trie's depth) nor than the tokens left to generate.
 
 Departures from the paper and from vLLM's `suffix` method (ArcticInference's suffix tree):
-- Tries are uncompressed (a node per token, at most D per stored token) where ArcticInference
-  compresses unary paths; same counts, so the same drafts, at more memory (stated by
-  `memory_nodes`; ~100-200 bytes per node in CPython).
+- Tries are plain Python nodes, one per token string (ArcticInference compresses unary paths
+  into one node). The global trie stores each new sequence's unique tails as lazy chains read
+  from the sequence itself; the per-request trie stores every string (at most D nodes per
+  token, for one request). Same counts, so the same drafts; memory measured in
+  `benchmarks/results/suffix_memory.json`.
 - vLLM drafts one path (`use_tree_spec` off); the paper, and this drafter by default, a tree
   (`tree=False` gives the path: the most frequent child at every step).
 - The global trie holds finished outputs only; vLLM also adds the running request's output to
@@ -57,24 +59,43 @@ from dresd.drafters.base import Draft, DraftContext
 
 
 class Node:
-    """One token string s of a suffix trie: count(s) and the strings s + [t] below it."""
+    """One token string s of a suffix trie: count(s) and the strings s + [t] below it.
 
-    __slots__ = ("count", "children")
+    A lazy node (`seq` set) stores no children: the strings below it are the one chain
+    seq[pos], seq[pos + 1], ..., each of count 1 (only that occurrence of s continues). The
+    global trie stores a new sequence's unique tails this way, so that a stored token costs a
+    few nodes instead of D."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, Node] = {}
+    __slots__ = ("count", "children", "seq", "pos")
+
+    def __init__(self, count: int = 0, seq: list[int] | None = None, pos: int = 0) -> None:
+        self.count = count
+        self.children: dict[int, Node] | None = {} if seq is None else None
+        self.seq = seq
+        self.pos = pos
 
 
 class SuffixTrie:
-    """Occurrence counts of every string of length <= `max_depth` in a set of token sequences."""
+    """Occurrence counts of every string of length <= `max_depth` in a set of token sequences.
+
+    Node s holds count(s) = #{(sequence, i): sequence[i : i + |s|] = s}. Two ways in: `append`
+    extends one growing sequence (the per-request trie; plain nodes), `add` / `remove` insert or
+    take out whole sequences (the global trie; unique tails lazy, see `Node`)."""
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError("a suffix trie needs max_depth >= 2 (a match and a draft token)")
         self.max_depth = max_depth
         self.root = Node()  # the empty string: count = stored tokens
-        self.num_nodes = 0
+        self.num_nodes = 0  # stored nodes (lazy chains not counted): the memory
+
+    def children(self, node: Node, depth: int) -> dict[int, Node]:
+        """The nodes below `node` (at `depth`); a lazy node's one child is made on the fly."""
+        if node.seq is None:
+            return node.children
+        if depth >= self.max_depth or node.pos >= len(node.seq):
+            return {}
+        return {node.seq[node.pos]: Node(1, node.seq, node.pos + 1)}
 
     def append(self, active: list[Node], token: int) -> list[Node]:
         """Append `token` to a sequence whose suffixes of lengths 1 .. D-1 are `active` (in order
@@ -90,32 +111,53 @@ class SuffixTrie:
         self.root.count += 1
         return new_active[: self.max_depth - 1]  # a string of length D is never extended
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """Add one whole sequence."""
-        active: list[Node] = []
-        for token in tokens:
-            active = self.append(active, int(token))
-
-    def remove(self, tokens: Sequence[int]) -> None:
-        """Remove a sequence added before: every string it holds loses its occurrences."""
-        tokens = [int(t) for t in tokens]
-        for start in range(len(tokens)):
+    def add(self, seq: list[int]) -> None:
+        """Add a whole sequence; keep the list unchanged while it is stored (lazy nodes read it)."""
+        for start in range(len(seq)):
+            self.root.count += 1
             node = self.root
-            for token in tokens[start : start + self.max_depth]:
-                child = node.children[token]
+            for depth, position in enumerate(range(start, min(start + self.max_depth, len(seq)))):
+                self._materialize(node, depth)  # this occurrence goes below: no longer one chain
+                child = node.children.get(seq[position])
+                if child is None:  # a new string: the rest of this suffix is a lazy chain
+                    node.children[seq[position]] = Node(1, seq, position + 1)
+                    self.num_nodes += 1
+                    break
+                child.count += 1
+                node = child
+
+    def remove(self, seq: list[int]) -> None:
+        """Take out a sequence given to `add` (the same list): its occurrences, and any lazy
+        chain read from it."""
+        for start in range(len(seq)):
+            self.root.count -= 1
+            node = self.root
+            for position in range(start, min(start + self.max_depth, len(seq))):
+                if node.seq is not None:  # lazy: what follows is this very occurrence's chain
+                    break
+                child = node.children[seq[position]]
                 child.count -= 1
-                if child.count == 0:  # its whole subtree counted only this sequence
-                    del node.children[token]
+                if child.count == 0:  # its whole subtree counted only this occurrence
+                    del node.children[seq[position]]
                     self.num_nodes -= _subtree_size(child)
+                    node = None
                     break
                 node = child
-        self.root.count -= len(tokens)
+            if node is not None and node.seq is seq:  # other occurrences end here: a leaf now
+                node.seq, node.children = None, {}
+
+    def _materialize(self, node: Node, depth: int) -> None:
+        """Store a lazy node's one child, so that another occurrence can branch below it."""
+        if node.seq is not None:
+            children = self.children(node, depth)
+            node.seq, node.children = None, children
+            self.num_nodes += len(children)
 
     def find(self, pattern: Sequence[int]) -> Node | None:
         """The node of `pattern`, or None when it never occurs."""
         node = self.root
-        for token in pattern:
-            node = node.children.get(int(token))
+        for depth, token in enumerate(pattern):
+            node = self.children(node, depth).get(int(token))
             if node is None:
                 return None
         return node
@@ -126,7 +168,7 @@ def _subtree_size(node: Node) -> int:
     while stack:
         top = stack.pop()
         size += 1
-        stack.extend(top.children.values())
+        stack.extend(top.children.values() if top.children else ())
     return size
 
 
@@ -159,24 +201,26 @@ class Candidate:
         return drafts
 
 
-def expand(match: Node, budget: int, min_prob: float, max_len: int, tree: bool = True
-           ) -> Candidate:
-    """The best-first speculation tree below `match` (see the module docstring): at most `budget`
-    tokens, `max_len` deep, every node's prob >= `min_prob`. `tree=False`: one path, the most
-    frequent child at each step (ties: the smaller token id)."""
+def expand(trie: SuffixTrie, match: Node, match_len: int, budget: int, min_prob: float,
+           max_len: int, tree: bool = True) -> Candidate:
+    """The best-first speculation tree below `match` (a node of `trie` at depth `match_len`; see
+    the module docstring): at most `budget` tokens, `max_len` deep, every node's prob >=
+    `min_prob`. `tree=False`: one path, the most frequent child at each step (ties: the smaller
+    token id)."""
     candidate = Candidate()
     order = 0  # insertion counter: equal probs leave the frontier first in, first out
     frontier: list[tuple[float, int, int, Node, int, int]] = []
 
     def push_children(node: Node, prob: float, index: int, depth: int) -> None:
         nonlocal order
-        if depth >= max_len or not node.children:
+        children = trie.children(node, match_len + depth)
+        if depth >= max_len or not children:
             return
-        tokens = sorted(node.children)
+        tokens = sorted(children)
         if not tree:  # the single most frequent child
-            tokens = [max(tokens, key=lambda t: (node.children[t].count, -t))]
+            tokens = [max(tokens, key=lambda t: (children[t].count, -t))]
         for token in tokens:
-            child = node.children[token]
+            child = children[token]
             child_prob = prob * child.count / node.count
             if child_prob >= min_prob:
                 heapq.heappush(frontier, (-child_prob, order, token, child, index, depth + 1))
@@ -252,7 +296,8 @@ class SuffixDrafter:
                 break  # a longer pattern contains this one, so it cannot occur either
             budget = speculation_budget(match_len, self.max_spec_factor, self.max_spec_offset,
                                         self.max_tree_nodes)
-            candidate = expand(match, budget, self.min_token_prob, max_len, self.tree)
+            candidate = expand(trie, match, match_len, budget, self.min_token_prob, max_len,
+                               self.tree)
             if candidate.tokens and candidate.score >= best.score:
                 candidate.match_len = match_len
                 best = candidate
