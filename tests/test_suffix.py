@@ -7,6 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
+import test_sampling
 import torch
 from test_lossless_greedy import reference_greedy, spec, varied_prompts
 
@@ -274,3 +275,44 @@ def test_default_model_greedy_is_identical_to_generate(default_target):
         assert result.token_ids == ar.generate(ids).token_ids
         accepted += sum(s.num_accepted for s in result.steps)
     assert accepted > 0
+
+
+# ---------------------------------------------------------------- sampling
+
+@pytest.fixture(scope="module")
+def vocab8_model():
+    """test_sampling's 8-token model: exact distributions are cheap."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=test_sampling.VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         initializer_range=0.12, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+def test_sampling_with_learned_suffix_drafts_keeps_the_model_distribution(vocab8_model):
+    """One drafter over all runs, so later runs draft what earlier samples were (the global
+    trie): drafts that depend on earlier randomness but not on this run's must leave p(x2) and
+    p(x2, x3) exact (chi-square at 1e-3, as test_sampling), and they are often accepted."""
+    from dresd.decoding import SamplingConfig, speculative_generate
+
+    config = SamplingConfig(temperature=0.7)
+    vocab, runs = test_sampling.VOCAB, 2000
+    drafter = SuffixDrafter(min_token_prob=0.0)
+    next_counts, pair_counts, accepted = np.zeros(vocab), np.zeros((vocab, vocab)), 0
+    for run in range(runs):
+        result = speculative_generate(
+            vocab8_model, drafter, torch.tensor([test_sampling.PROMPT]), max_new_tokens=3,
+            sampling=SamplingConfig(config.temperature, seed=run))
+        _, x2, x3 = result.token_ids
+        next_counts[x2] += 1
+        pair_counts[x2, x3] += 1
+        accepted += sum(step.num_accepted for step in result.steps)
+    next_probs, pair_probs = test_sampling.exact_distributions(vocab8_model, config)
+    assert accepted > runs // 4
+    assert test_sampling.goodness_of_fit(next_counts, next_probs) > test_sampling.ALPHA
+    assert test_sampling.goodness_of_fit(pair_counts, pair_probs) > test_sampling.ALPHA
+    _, other = test_sampling.exact_distributions(vocab8_model, SamplingConfig(0.7 * 1.3))
+    assert test_sampling.goodness_of_fit(pair_counts, other) < test_sampling.ALPHA
