@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ar: transformers generate; none: plain decoding in the speculative "
                           "loop; pld: prompt lookup (default); dresd: dense retrieval; "
                           "rest: REST's sparse retrieval (dresd and rest need --datastore); "
+                          "suffix: SuffixDecoding; "
                           "hybrid: PLD, REST and DReSD candidates in one tree sized by this "
                           "machine's verify cost (REST and DReSD from --datastore if given)")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -221,7 +222,24 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=None,
                    help="rest, dresd: draft-tree nodes kept, the most frequent prefixes of the "
                         "retrieved continuations (rest default 64; dresd default: none, the "
-                        "paper's --num-drafts x --draft-len shape)")
+                        "paper's --num-drafts x --draft-len shape; suffix: tokens per "
+                        "speculation tree, default 32)")
+    p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
+                   help="suffix, rest, dresd: keep each finished output in an in-memory store "
+                        "searched with the others (suffix default: on, its global tree; rest, "
+                        "dresd: off)")
+    p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
+                   help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
+    p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
+                   help="suffix: tokens drafted per matched token (default 1.0)")
+    p.add_argument("--suffix-spec-offset", type=float, default=None, dest="max_spec_offset",
+                   help="suffix: tokens added to that budget (default 0)")
+    p.add_argument("--suffix-min-prob", type=float, default=None, dest="min_token_prob",
+                   help="suffix: least empirical probability of a drafted token (default 0.1)")
+    p.add_argument("--suffix-cache-requests", type=int, default=None, dest="max_cached_requests",
+                   help="--learn: outputs kept, oldest evicted first (default 1000)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None, dest="max_cached_tokens",
+                   help="--learn: tokens kept, oldest outputs evicted first (default 100000)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
@@ -252,7 +270,12 @@ def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]
                    len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
                    datastore=str(args.datastore) if args.datastore else None,
                    max_suffix=args.max_suffix, min_suffix=args.min_suffix,
-                   max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes)
+                   max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes,
+                   learn=args.learn, max_depth=args.max_depth,
+                   max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
+                   min_token_prob=args.min_token_prob,
+                   max_cached_requests=args.max_cached_requests,
+                   max_cached_tokens=args.max_cached_tokens)
     if "draft" in methods:
         if args.draft_model is None:
             raise UserError("--method draft needs --draft-model")
@@ -309,6 +332,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.method in ("dresd", "rest") and args.datastore is None:
         raise UserError(f"--method {args.method} needs --datastore DIR "
                         "(build one with `dresd build`)")
+    if args.learn is not None and "learn" not in getattr(DRAFTERS.get(args.method),
+                                                         "__dataclass_fields__", {}):
+        raise UserError(f"--learn applies to suffix, rest and dresd, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():

@@ -78,6 +78,18 @@ def build_sparse(token_ids: np.ndarray, doc_offsets: np.ndarray, folder: str | P
     `token_ids[doc_offsets[d] : doc_offsets[d + 1]]`.
     The caller makes the folder appear atomically (the datastore format's job, not this module's).
     """
+    index = sparse_in_memory(token_ids, doc_offsets)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "alphabet.npy", index.alphabet)
+    np.save(folder / "symbols.npy", index.symbols)
+    np.save(folder / "suffix_array.npy", index.suffix_array)
+    np.save(folder / "doc_starts.npy", index.doc_starts)
+    return SparseIndex.open(folder)
+
+
+def sparse_in_memory(token_ids: np.ndarray, doc_offsets: np.ndarray) -> SparseIndex:
+    """The suffix array of a tokenised corpus, held in memory (arguments as `build_sparse`)."""
     token_ids = np.asarray(token_ids)
     doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
     if token_ids.ndim != 1 or not np.issubdtype(token_ids.dtype, np.integer):
@@ -104,14 +116,7 @@ def build_sparse(token_ids: np.ndarray, doc_offsets: np.ndarray, folder: str | P
         byte_offsets = byte_offsets[byte_offsets % dtype.itemsize == 0]
     index_dtype = np.int32 if stream.nbytes <= np.iinfo(np.int32).max else np.int64
     suffix_array = byte_offsets.astype(index_dtype, copy=False)
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / "alphabet.npy", alphabet)
-    np.save(folder / "symbols.npy", stream)
-    np.save(folder / "suffix_array.npy", suffix_array)
-    np.save(folder / "doc_starts.npy", doc_starts)
-    return SparseIndex.open(folder)
+    return SparseIndex(alphabet, stream, suffix_array, doc_starts)
 
 
 @dataclass

@@ -167,6 +167,8 @@ def speculative_generate(
     context = np.array(prompt + [0] * (max_new_tokens + 1), dtype=np.int64)
     n = len(prompt)  # tokens in `context`; the cache holds all but the last one
     result = GenerationResult(token_ids=[], prefill_seconds=perf_counter() - started)
+    observe = getattr(drafter, "observe", None)  # a drafter that learns sees what was generated
+    states = [hidden[-1:]]  # states[j] predicted output token j: keys for a learning drafter
 
     while True:
         # 2. Emit the step's tokens one by one, stopping where plain decoding would stop.
@@ -211,6 +213,8 @@ def speculative_generate(
         # 6. Keep only the accepted path in the cache; its last state is the next query.
         keep_cache_entries(cache, prefix_len, path)
         query = hidden[path[-1]]
+        if observe is not None:
+            states.append(hidden[path])
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         result.steps.append(
             StepRecord(
@@ -222,6 +226,8 @@ def speculative_generate(
             )
         )
 
+    if observe is not None:  # a drafter that learns keeps what the model just said
+        observe(prompt, result.token_ids, torch.cat(states)[: len(result.token_ids)])
     result.num_target_forwards = 1 + len(result.steps)
     result.total_seconds = perf_counter() - started
     return result

@@ -9,6 +9,7 @@ from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.model import DraftModelDrafter
 from dresd.drafters.none import NoDrafter
 from dresd.drafters.rest import RestDrafter
+from dresd.drafters.suffix import SuffixDrafter
 
 # method name -> drafter class; each takes its own keyword options
 DRAFTERS: dict[str, type] = {
@@ -17,6 +18,7 @@ DRAFTERS: dict[str, type] = {
     "draft": DraftModelDrafter,
     "dresd": DenseDrafter,  # needs datastore=DIR
     "rest": RestDrafter,  # needs datastore=DIR
+    "suffix": SuffixDrafter,  # SuffixDecoding: suffix tries over the request and past outputs
     "hybrid": HybridDrafter,  # PLD, and REST / DReSD from datastore=DIR if given
 }
 
@@ -31,4 +33,5 @@ def make_drafter(method: str, **options) -> Drafter:
 
 
 __all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter", "Drafter",
-           "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "make_drafter"]
+           "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "SuffixDrafter",
+           "make_drafter"]

@@ -18,6 +18,10 @@ With a node budget (`max_tree_nodes` = N) the tree is picked as REST picks its o
 entry's draft is counted and the N most frequent prefixes are kept (`drafters/prefixes.py`).
 Where a verify forward grows dear with the tree (on a CPU, `benchmarks/results/engine.md`) a
 small tree of the prefixes most neighbours agree on pays better than the paper's wide one.
+
+With `learn` (`--learn`), each finished output's keys (from the hidden states the verify passes
+computed) go into an in-memory side store (`learned.py`); the k nearest of both stores, merged
+by score (the datastore's first on ties), are the neighbours.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from dresd.datastore.dense import DenseDatastore
 from dresd.drafters.base import Draft, DraftContext
+from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target
 
@@ -41,8 +46,12 @@ class DenseDrafter:
     # None: the paper's shape (num_drafts drafts in ANN rank order); N: a tree of the N most
     # frequent prefixes of every kept entry's draft (num_drafts then does not apply)
     max_tree_nodes: int | None = None
+    learn: bool = False  # also search keys of earlier outputs (in memory)
+    max_cached_requests: int = 1000  # learned outputs kept, oldest evicted first...
+    max_cached_tokens: int = 100_000  # ... and learned tokens kept
     name: str = "dresd"
     store: DenseDatastore = field(init=False, repr=False)
+    learned: LearnedDenseStore | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.num_drafts < 1 or self.len_drafts < 1:
@@ -50,21 +59,27 @@ class DenseDrafter:
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
             raise ValueError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
         self.store = DenseDatastore(self.datastore)
+        if self.learn:
+            self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
+                                             self.max_cached_tokens)
 
     def check_target(self, target: Target) -> None:
         """Refuse a datastore built by another model or tokenizer (the runner calls this)."""
         self.store.check_compatible(target)
 
     def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[np.ndarray]:
-        """Every kept neighbour's draft, in ANN rank order, repeats included: the entries
-        whose stored first token is the bonus token, and the `draft_len` tokens after it."""
+        """Every kept neighbour's draft, in rank order, repeats included: the entries (of the
+        datastore, and of the learned store with `learn`) whose stored first token is the bonus
+        token, and the `draft_len` tokens after it."""
         state = context.hidden_state.detach().to("cpu").float().numpy()
+        bonus = int(context.token_ids[-1])
+        if self.learned is not None and self.learned.index is not None:
+            return self._learned_neighbours(state, bonus, draft_len)
         ids = self.store.search(state, self.k)
         if len(ids) == 0:
             return []
         start, end = self.store.value_bounds(ids)
         stream = self.store.stream
-        bonus = int(context.token_ids[-1])
         firsts = stream[start].astype(np.int64)
         kept = zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True)
         return [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
@@ -77,10 +92,39 @@ class DenseDrafter:
         if self.max_tree_nodes is not None:
             return prefix_tree_drafts(every, self.max_tree_nodes)
         drafts: list[Draft] = []
-        for draft in every:
-            draft = draft.tolist()
+        for values in every:
+            draft = values.tolist()
             if draft and draft not in drafts:
                 drafts.append(draft)
                 if len(drafts) == self.num_drafts:
                     break
         return drafts
+
+    def _learned_neighbours(self, state: np.ndarray, bonus: int, draft_len: int
+                            ) -> list[np.ndarray]:
+        """Drafts of the k nearest entries of the datastore and the learned store together
+        (merged by score, the datastore's first on ties) that predicted the bonus token."""
+        key = self.store.transform.apply(state)
+        disk_scores, disk_ids = self.store.index.search(key[None, :], self.k)
+        valid = disk_ids[0] >= 0
+        disk_scores, disk_ids = disk_scores[0][valid], disk_ids[0][valid]
+        learned_scores, learned_ids = self.learned.search(key, self.k)
+        ranked = sorted([(-float(s), 0, int(e)) for s, e in zip(disk_scores, disk_ids,
+                                                                strict=True)]
+                        + [(-float(s), 1, int(e)) for s, e in zip(learned_scores, learned_ids,
+                                                                  strict=True)])[: self.k]
+        values = []
+        for _, source, entry in ranked:
+            if source == 0:
+                start, end = self.store.value_bounds(np.array([entry]))
+                value = self.store.stream[start[0] : end[0]]  # value[0]: the predicted token
+            else:
+                value = self.learned.value(entry, draft_len + 1)
+            if len(value) and int(value[0]) == bonus:
+                values.append(np.asarray(value[1 : 1 + draft_len]))
+        return values
+
+    def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
+        """A generation finished: with `learn`, keys for its tokens join the side store."""
+        if self.learned is not None and hidden_states is not None:
+            self.learned.add(output, hidden_states.detach().to("cpu").float().numpy())

@@ -26,6 +26,10 @@ Where this differs from REST's code (FasterDecoding/REST, DraftRetriever), and w
 - REST cuts the corpus into sub-indexes of 512M tokens and takes up to k matches from each;
   here there is one suffix array, so k matches in all.
 - Ties at the 64-node cut-off: REST's order is a hash map's; here the stated order.
+
+With `learn` (`--learn`), each finished output also goes into an in-memory side store
+(`learned.py`), searched as one more sub-index: step 1 takes the longest suffix that matches in
+either store, step 2 up to k matches from each.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dresd.datastore.format import Manifest
 from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datastore
 from dresd.drafters.base import Draft, DraftContext
+from dresd.drafters.learned import LearnedSparseStore, merged_prefix_drafts
 from dresd.drafters.prefixes import most_frequent_prefixes
 from dresd.models import Target
 
@@ -51,7 +56,11 @@ class RestDrafter:
     max_matches: int = 5000  # k: continuations taken from the first matches in suffix order
     draft_len: int = 10  # tokens per continuation
     max_tree_nodes: int = 64  # draft-tree nodes kept (root not counted)
+    learn: bool = False  # also search the outputs of earlier generations (in memory)
+    max_cached_requests: int = 1000  # learned outputs kept, oldest evicted first...
+    max_cached_tokens: int = 100_000  # ... and learned tokens kept
     name: str = "rest"
+    learned: LearnedSparseStore | None = field(default=None, init=False, repr=False)
     manifest: Manifest | None = field(default=None, init=False, repr=False)  # None: bare index
     folder: str | Path | None = field(default=None, init=False, repr=False)
 
@@ -65,6 +74,8 @@ class RestDrafter:
             raise ValueError("REST needs 1 <= min_suffix <= max_suffix")
         if self.max_matches < 1 or self.draft_len < 1 or self.max_tree_nodes < 1:
             raise ValueError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
+        if self.learn:
+            self.learned = LearnedSparseStore(self.max_cached_requests, self.max_cached_tokens)
 
     def check_target(self, target: Target) -> None:
         """Refuse a target whose tokenizer did not build the datastore (the runner calls this)."""
@@ -74,16 +85,32 @@ class RestDrafter:
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
-        index: SparseIndex = self.datastore
-        tail = index.to_symbols(context.token_ids[-self.max_suffix :])
-        # A token the corpus never has cannot be inside a match: look only after the last one.
-        unknown = np.flatnonzero(tail < 0)
-        longest = len(tail) - (unknown[-1] + 1 if len(unknown) else 0)
+        indexes: list[SparseIndex] = [self.datastore]
+        if self.learned is not None and self.learned.index is not None:
+            indexes.append(self.learned.index)
+        tails, longest = [], 0
+        for index in indexes:
+            tail = index.to_symbols(context.token_ids[-self.max_suffix :])
+            # A token the corpus never has cannot be inside a match: look only after the last.
+            unknown = np.flatnonzero(tail < 0)
+            tails.append(tail)
+            longest = max(longest, len(tail) - (unknown[-1] + 1 if len(unknown) else 0))
         for n in range(longest, self.min_suffix - 1, -1):
-            lo, hi = index.match_rows(tail[-n:])
-            if hi > lo:
-                hi = min(hi, lo + self.max_matches)
-                continuations = index.continuations(lo, hi, skip=n, length=draft_len)
+            blocks = []
+            for index, tail in zip(indexes, tails, strict=True):
+                lo, hi = index.match_rows(tail[-n:])
+                if hi > lo:
+                    hi = min(hi, lo + self.max_matches)
+                    blocks.append((index, index.continuations(lo, hi, skip=n, length=draft_len)))
+            if len(blocks) == 1:
+                index, continuations = blocks[0]
                 return [index.to_token_ids(d).tolist()
                         for d in most_frequent_prefixes(continuations, self.max_tree_nodes)]
+            if blocks:
+                return merged_prefix_drafts(blocks, self.max_tree_nodes)
         return []
+
+    def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
+        """A generation finished: with `learn`, its output joins the side store."""
+        if self.learned is not None:
+            self.learned.add(output)
