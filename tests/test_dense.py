@@ -284,7 +284,7 @@ def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target
     reference = MethodRunner(default_target, AR, settings)
     flat = {1: 1.0, 16: 1.2, 64: 2.0}
     hybrid = MethodRunner(default_target, "hybrid", settings, datastore=str(datastore), cost=flat)
-    assert set(hybrid.drafter.sources) == {"pld", "dresd"}  # a dense-only store: no REST
+    assert set(hybrid.drafter.sources) == {"pld", "suffix", "dresd"}  # dense-only: no REST
     for prompt in PROMPTS[:2]:
         ids = encode_prompt(default_target.tokenizer, prompt)
         result = hybrid.generate(ids)

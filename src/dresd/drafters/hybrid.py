@@ -4,8 +4,9 @@ No single drafter wins everywhere: prompt lookup where the answer copies the pro
 retrieval with an in-domain store, REST in between; and the tree size that pays depends on the
 machine's verify-cost curve. At every step this drafter:
 
-1. Collects candidates: PLD's drafts, REST's most frequent prefixes and every DReSD neighbour's
-   draft (whichever the datastore holds), merged into one trie rooted at the bonus token.
+1. Collects candidates: PLD's drafts, SuffixDecoding's tree (over this request and earlier
+   outputs), REST's most frequent prefixes and every DReSD neighbour's draft (whichever the
+   datastore holds), merged into one trie rooted at the bonus token.
 2. Gives each node v an acceptance estimate. p(v) = P(v accepted | its parent accepted) is read
    from a table of Beta posteriors keyed by the node's features: which sources propose it, how
    many dense neighbours agree on it (0, 1, 2-3, 4+) and its depth (1, 2, 3, 4+):
@@ -44,6 +45,7 @@ from dresd.drafters.base import Draft, DraftContext
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter
+from dresd.drafters.suffix import SuffixDrafter
 from dresd.models import Target
 
 Cell = tuple[tuple[str, ...], int, int]  # (sources, support bucket, depth bucket)
@@ -160,7 +162,8 @@ class HybridDrafter:
         if self.draft_len < 1 or self.max_tree_nodes < 1:
             raise ValueError("hybrid needs draft_len and max_tree_nodes >= 1")
         self.table = AcceptanceTable(self.prior_strength)
-        self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3)}
+        self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3),
+                        "suffix": SuffixDrafter(max_tree_nodes=16)}
         if self.datastore is not None:
             parts = kinds(read_manifest(self.datastore))
             if "sparse" in parts:
@@ -202,6 +205,12 @@ class HybridDrafter:
         kept = set(order[:n].tolist())
         leaves = [v for v in kept if not any(c in kept for c in tree.children[v].values())]
         return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])]
+
+    def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
+        """A generation finished: sources that learn from outputs (suffix) take it."""
+        for source in self.sources.values():
+            if hasattr(source, "observe"):
+                source.observe(prompt, output, hidden_states)
 
     def _learn(self, token_ids: np.ndarray) -> None:
         """Score the previous step's candidates against the tokens that step emitted."""
