@@ -110,15 +110,22 @@ class CandidateTree:
             node = child
 
     def cell(self, node: int) -> Cell:
-        return (tuple(sorted(self.sources[node])), support_bucket(self.support[node]),
-                min(self.depths[node], 4))
+        sources = self.sources[node]
+        names = tuple(sorted(sources)) if len(sources) > 1 else tuple(sources)
+        return names, support_bucket(self.support[node]), min(self.depths[node], 4)
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
         """P(v) for every node: the probability that verification reaches it (root: 1)."""
+        by_cell: dict[Cell, float] = {}  # many nodes share a cell: one lookup each
         reach = [1.0] * len(self.tokens)
         for node in range(len(self.tokens)):  # parents come before children
             kids = list(self.children[node].values())
-            p = [table.probability(self.cell(kid)) for kid in kids]
+            p = []
+            for kid in kids:
+                cell = self.cell(kid)
+                if cell not in by_cell:
+                    by_cell[cell] = table.probability(cell)
+                p.append(by_cell[cell])
             scale = min(1.0, 1.0 / sum(p)) if p else 1.0  # siblings are exclusive
             for kid, pk in zip(kids, p, strict=True):
                 reach[kid] = reach[node] * pk * scale
