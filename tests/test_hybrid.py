@@ -6,8 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used below
+    ALPHA,
+    PROMPT,
+    RUNS,
+    VOCAB,
+    exact_distributions,
+    goodness_of_fit,
+    small_vocab_model,
+)
 
 from dresd.calibrate import cost_at
+from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.drafters.base import DraftContext
 from dresd.drafters.hybrid import AcceptanceTable, CandidateTree, HybridDrafter, best_budget
 
@@ -81,3 +91,23 @@ def test_hybrid_learns_from_the_emitted_tokens_and_stops_drafting_when_it_pays_n
 def test_hybrid_needs_a_cost_curve():
     with pytest.raises(ValueError, match="verify-cost curve"):
         HybridDrafter().propose(context([1, 2, 3]))
+
+
+def test_hybrid_sampling_matches_model_distribution(small_vocab_model):  # noqa: F811
+    """Sampling stays exact with hybrid's drafts, although they adapt to earlier samples: one
+    drafter across all runs, so its table and suffix tries learn from every output so far."""
+    model = small_vocab_model
+    config = SamplingConfig(temperature=0.7)
+    drafter = HybridDrafter(cost={1: 1.0, 64: 1.0})
+    next_counts, pair_counts, accepted = np.zeros(VOCAB), np.zeros((VOCAB, VOCAB)), 0
+    for run in range(RUNS):
+        result = speculative_generate(model, drafter, torch.tensor([PROMPT]), max_new_tokens=3,
+                                      sampling=SamplingConfig(0.7, seed=run))
+        _, x2, x3 = result.token_ids
+        next_counts[x2] += 1
+        pair_counts[x2, x3] += 1
+        accepted += sum(step.num_accepted for step in result.steps)
+    assert accepted > RUNS // 10, "hybrid's drafts should often be accepted, or nothing is tested"
+    next_probs, pair_probs = exact_distributions(model, config)
+    assert goodness_of_fit(next_counts, next_probs) > ALPHA
+    assert goodness_of_fit(pair_counts, pair_probs) > ALPHA
