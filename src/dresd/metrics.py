@@ -26,7 +26,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0  # wall clock of the whole call, prefill included
     num_target_forwards: int = 0  # prefill + verify steps (plain decoding: one per token)
-    stop_reason: str = ""  # "eos", "stop_string", "max_new_tokens" or "max_length"
+    stop_reason: str = ""  # "eos", "stop_string", "max_new_tokens", "max_length", "cancelled"
     # Plain decoding (`ar`) only: its two best logits at each new token, so that another
     # method's divergence from it can be told a near-tie or not (decoding/verify.py).
     top2_logits: list[tuple[float, float]] | None = None
