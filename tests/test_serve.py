@@ -162,12 +162,19 @@ def test_completions_take_raw_text(client, default_target):
     assert "".join(chunk.choices[0].text for chunk in streamed) == reply.choices[0].text
 
 
-@pytest.mark.parametrize("method", ["none", "ar", "rest", "dresd"])
+@pytest.mark.parametrize("method", ["none", "ar", "rest", "dresd", "suffix", "hybrid"])
 def test_every_method_is_lossless(client, default_target, method):
     # Chosen per request; greedy, every method gives the model's own output.
     reply = chat(client, QUESTIONS[2], extra_body={"method": method})
     assert reply.choices[0].message.content == reference(default_target, QUESTIONS[2])
     assert reply.model_extra["dresd"]["method"] == method
+
+
+def test_hybrid_reads_a_datastore_when_asked(client, default_target):
+    reply = chat(client, QUESTIONS[4], extra_body={"method": "hybrid", "datastore": "sums"})
+    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[4])
+    with pytest.raises(openai.BadRequestError, match="unknown datastore 'nope'"):
+        chat(client, QUESTIONS[4], extra_body={"method": "hybrid", "datastore": "nope"})
 
 
 def test_drafter_options_per_request(client, default_target):

@@ -52,6 +52,8 @@ REQUEST_DRAFTER_OPTIONS: dict[str, int] = {
 
 # Methods whose drafter reads a datastore, and the part of the datastore it reads.
 DATASTORE_METHODS = {"dresd": "dense", "rest": "sparse"}
+# Methods that run without a datastore and read one when a request names it.
+OPTIONAL_DATASTORE_METHODS = ("hybrid",)
 
 
 class RequestError(ValueError):
@@ -153,6 +155,11 @@ class Engine:
             if store not in having:
                 raise RequestError(f"datastore {store!r} has no {part} part for method "
                                    f"{method}", param="datastore")
+        elif method in OPTIONAL_DATASTORE_METHODS and datastore is not None:
+            if (method, datastore) not in self.drafters:
+                raise RequestError(f"unknown datastore {datastore!r}; this server has "
+                                   f"{', '.join(self.datastores) or 'none'}", param="datastore")
+            store = datastore
         elif method not in self.methods:
             extra = " (start it with --draft-model)" if method == "draft" else ""
             raise RequestError(f"unknown method {method!r}; this server has "
@@ -276,13 +283,17 @@ def load_drafters(
     options: dict,
     draft_model_options: dict | None = None,
 ) -> tuple[dict[tuple[str, str | None], Drafter], list[str]]:
-    """Every drafter the server offers, built once: none and pld always, draft with a draft
-    model, dresd and rest for each datastore holding their part. Returns them and the
-    datastores' names (their folder names)."""
+    """Every drafter the server offers, built once: none, pld, suffix and hybrid always, draft
+    with a draft model, dresd and rest for each datastore holding their part, and hybrid with
+    each datastore. Suffix and hybrid learn from every request they serve. Returns them and
+    the datastores' names (their folder names)."""
     drafters: dict[tuple[str, str | None], Drafter] = {
         ("none", None): make_drafter("none"),
         ("pld", None): make_drafter("pld", **options),
+        ("suffix", None): make_drafter("suffix", **options),
+        ("hybrid", None): make_drafter("hybrid", **{**options, "datastore": None}),
     }
+    drafters[("hybrid", None)].check_target(target)  # its verify-cost curve, cached
     if draft_model_options is not None:
         drafters[("draft", None)] = make_drafter("draft", **options, **draft_model_options)
     names: list[str] = []
@@ -298,6 +309,9 @@ def load_drafters(
                 drafter = make_drafter(method, **{**options, "datastore": str(folder)})
                 drafter.check_target(target)  # a store built for another model is refused
                 drafters[(method, name)] = drafter
+        hybrid = make_drafter("hybrid", **{**options, "datastore": str(folder)})
+        hybrid.check_target(target)
+        drafters[("hybrid", name)] = hybrid
     return drafters, names
 
 
