@@ -32,9 +32,9 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from dresd.calibrate import random_tree
 from dresd.datasets import type_hint_prompts
 from dresd.decoding.generate import target_forward
-from dresd.decoding.tree import DraftTree
 from dresd.fastpath import INVARIANT_ATTENTION, PackedLinear, dtype_name, native_bf16_flags
 from dresd.metrics import summarize
 from dresd.models import load_target
@@ -43,21 +43,6 @@ from dresd.runner import AR, GenerationSettings, MethodRunner
 
 TREE_SIZES = [1, 2, 4, 8, 16, 32, 64]
 RESULTS = Path(__file__).parent / "results"
-
-
-def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
-    """A bushy tree of exactly `size` nodes (root included), like merged retrieval drafts."""
-    tree = DraftTree.from_drafts(int(rng.integers(vocab)), [])
-    while len(tree) < size:
-        parent = int(rng.integers(len(tree)))
-        extended = [tree.tokens[i] for i in tree.path_to(parent)[1:]] + [int(rng.integers(vocab))]
-        tree = DraftTree.from_drafts(tree.tokens[0], _drafts_of(tree) + [extended])
-    return tree
-
-
-def _drafts_of(tree: DraftTree) -> list[list[int]]:
-    leaves = [i for i in range(1, len(tree)) if not tree.children[i]]
-    return [[tree.tokens[i] for i in tree.path_to(leaf)[1:]] for leaf in leaves]
 
 
 ENGINES = {  # name -> (dtype, prepacked, attention); the last is what dresd runs by default

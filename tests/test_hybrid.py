@@ -3,6 +3,8 @@ and learning from what the target emitted. (Losslessness: test_lossless_greedy, 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,22 @@ def test_hybrid_sampling_matches_model_distribution(small_vocab_model):  # noqa:
     next_probs, pair_probs = exact_distributions(model, config)
     assert goodness_of_fit(next_counts, next_probs) > ALPHA
     assert goodness_of_fit(pair_counts, pair_probs) > ALPHA
+
+
+def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
+    from dresd.calibrate import curve_path, load_or_measure, random_tree
+    from dresd.models import Target
+
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 5, 17):
+        assert len(random_tree(size, 50, rng)) == size
+    monkeypatch.setenv("DRESD_CACHE", str(tmp_path))
+    target = Target(model=tiny, tokenizer=None, name="tiny")
+    curve = load_or_measure(target, quiet=True)
+    assert curve[1] == 1.0 and set(curve) >= {1, 2, 4, 8, 16, 32, 64}
+    assert all(cost > 0 for cost in curve.values())
+    assert curve_path(target).is_file() and str(tmp_path) in str(curve_path(target))
+    cached = json.loads(curve_path(target).read_text())
+    cached["cost"]["2"] = 9.0
+    curve_path(target).write_text(json.dumps(cached))
+    assert load_or_measure(target, quiet=True)[2] == 9.0  # read back, not measured again
