@@ -34,4 +34,4 @@ bench() {  # bench SET STORE DATASET LIMIT
 bench gsm8k-id gsm8k-id gsm8k 30
 bench humaneval-stdlib stdlib humaneval 20
 bench humaneval-typehints stdlib humaneval-typehints 16
-bench mt-bench all mt_bench 24
+bench mt-bench all mt_bench 48
