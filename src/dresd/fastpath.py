@@ -9,15 +9,18 @@ close to one decode step, or drafting cannot pay. On a CPU two things decide tha
    times faster than fp32 FMAs. `--dtype auto` picks bf16 where the CPU has either, and fp32
    elsewhere (bf16 emulated in fp32 is slower than fp32 itself).
 2. The weight layout. `torch.nn.functional.linear` hands oneDNN a plain row-major weight and
-   oneDNN reorders it into its blocked layout on every call; for a 135M model that is about a
-   third of the step. `prepack_linears` does the reorder once, at load time, as
-   `torch.compile`'s inductor does with `freezing=True`, and calls the packed matmul directly
-   (no compilation, so no warm-up, and every tree size runs the same kernel family).
+   oneDNN reorders it into its blocked layout on every call; prepacked, the default model's bf16
+   decode step took 30% less time (benchmarks/results/engine.md). `prepack_linears` does the
+   reorder once, at load time, as `torch.compile`'s inductor does with `freezing=True`, and
+   calls the packed matmul directly (no compilation, so no warm-up, and every tree size runs
+   the same kernel family).
 
 Exactness: packing changes no maths, only the memory layout, but the blocked kernel may sum in
 another order than the plain one, so fp32 results move in the last bits (~1e-7 relative).
 Every method (the `ar` reference included) runs the same packed model, so comparisons stay
-like for like; see `decoding/verify.py` for what reduced precision allows.
+like for like. In bf16 and fp16 the packed linears (single rows run as two) and
+`invariant_attention` make every row's arithmetic independent of its batch, so speculative
+output equals plain decoding in the same dtype; `decoding/verify.py` states the rule.
 """
 
 from __future__ import annotations
