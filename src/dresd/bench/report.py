@@ -73,10 +73,8 @@ def _divergence(result: GenerationResult, reference: GenerationResult | None,
     `identical` or `sampled` (samples need not coincide), None without a reference."""
     if reference is None:
         return None
-    if result.token_ids == reference.token_ids:
-        return "identical"
-    if reference.top2_logits is None:
-        return "sampled"
+    if reference.top2_logits is None:  # sampled: no logits are kept, and none are needed
+        return "identical" if result.token_ids == reference.token_ids else "sampled"
     return classify_divergence(result.token_ids, reference.token_ids, reference.top2_logits,
                                dtype)
 
