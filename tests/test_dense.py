@@ -246,6 +246,31 @@ def test_interrupted_build_leaves_no_store_and_resumes(tmp_path, default_target,
     assert np.array_equal(np.load(out / "offsets.npy"), np.load(fresh / "offsets.npy"))
 
 
+def test_kept_states_are_the_states_behind_the_keys(tmp_path, default_target):
+    """--keep-states: row e of states.npy is the raw state of key e, over fit and other
+    chunks alike; the transform maps it to the stored key, and the state is the model's."""
+    spec = text_corpus(tmp_path / "texts")
+    config = dense.DenseBuildConfig(pca_dim=8, keep_states=True, **SMALL_BUILD)
+    out = dense.build_dense(default_target, spec, tmp_path / "store", config, progress=False)
+    states = np.load(out / dense.STATES_FILE)
+    keys, offsets = np.load(out / "keys.npy"), np.load(out / "offsets.npy")
+    assert states.shape == (len(keys), default_target.model.config.hidden_size)
+    assert dense.STATES_FILE in read_manifest(out).files
+    transform = dense.KeyTransform.load(out / dense.TRANSFORM_FILE)
+    assert np.allclose(transform.apply(states), keys, atol=2e-3)
+    # The last entry's state, recomputed: a forward over its document's prefix.
+    doc_starts, stream = np.load(out / "doc_starts.npy"), np.load(out / "stream.npy")
+    position = int(offsets[-1])
+    doc = np.searchsorted(doc_starts, position, side="right") - 1
+    prefix = torch.tensor(stream[doc_starts[doc] : position + 1].astype(np.int64))[None]
+    with torch.inference_mode():
+        state = default_target.model.base_model(input_ids=prefix).last_hidden_state[0, -1]
+    assert np.allclose(states[-1], state.numpy(), atol=1e-2, rtol=1e-2)
+    plain = dense.build_dense(default_target, spec, tmp_path / "plain",
+                              dense.DenseBuildConfig(pca_dim=8, **SMALL_BUILD), progress=False)
+    assert not (plain / dense.STATES_FILE).exists()
+
+
 def test_corpus_smaller_than_pca_is_refused(tmp_path, default_target):
     small = tmp_path / "small.txt"
     small.write_text("Just a few words.")

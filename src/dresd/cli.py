@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="corpus tokens per resumable chunk")
     build.add_argument("--batch-tokens", type=int, default=8_192,
                        help="padded tokens per forward (lower it if memory is short)")
+    build.add_argument("--keep-states", action="store_true",
+                       help="dense: also keep the raw fp16 hidden states (states.npy, "
+                            "hidden size x 2 bytes per entry) for studies that refit the keys")
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(build)
     build.add_argument("--device", default="cpu",
@@ -508,7 +511,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 0
     config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
-                              batch_tokens=args.batch_tokens)
+                              batch_tokens=args.batch_tokens, keep_states=args.keep_states)
     target = load_target_from_args(args, args.device)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
                       with_sparse=args.kind == "dense,sparse")

@@ -13,6 +13,9 @@ Files in a dense datastore folder:
                       that a value stops at its document's end instead of running into the next
                       (the paper pads values with EOS; a cut value is just a shorter draft)
     sparse/           with `--kind dense,sparse` only: REST's suffix array (sparse_store.py)
+    states.npy        with `--keep-states` only: fp16 [N, hidden] raw hidden states, row e the
+                      state behind key e; a study can refit the transform or choose other key
+                      positions without new forwards (benchmarks/retrieval_study.py)
 
 Build (`build_dense`), as the authors do it but resumable and in one forward per document:
   1. tokenize the corpus (corpus.py); plan chunks of length-sorted documents;
@@ -63,6 +66,7 @@ TRANSFORM_FILE = "transform.npz"
 OFFSETS_FILE = "offsets.npy"
 STREAM_FILE = "stream.npy"
 DOC_STARTS_FILE = "doc_starts.npy"
+STATES_FILE = "states.npy"
 
 
 @dataclass
@@ -79,6 +83,7 @@ class DenseBuildConfig:
     chunk_tokens: int = 65_536  # corpus tokens per resumable chunk
     batch_tokens: int = 8_192  # padded tokens per forward (memory bound)
     keep_keys: bool = False  # keep keys.npy beside an ANN index that holds the keys already
+    keep_states: bool = False  # also keep raw states.npy (hidden_size x 2 bytes per entry)
     seed: int = 0  # sample and index training randomness
 
     def __post_init__(self) -> None:
@@ -228,7 +233,8 @@ class _DenseBuild:
             if not self.build.chunk_done(number):
                 raw = np.load(self._raw_path(number))
                 self._save_keys(number, transform.apply(raw))
-                self._raw_path(number).unlink()
+                if not self.config.keep_states:
+                    self._raw_path(number).unlink()
         # 3. Every other chunk: forward, transform, write.
         for number in other_chunks:
             if not self.build.chunk_done(number):
@@ -277,9 +283,9 @@ class _DenseBuild:
             offsets.append(self.doc_starts[chunk.docs[i]] + positions)
         raw = np.concatenate(states)
         save_npy_atomic(self.build.chunk_path(number, "offsets.npy"), np.concatenate(offsets))
-        if transform is None:  # a fit chunk: raw states wait for the transform
+        if transform is None or self.config.keep_states:  # fit chunks wait for the transform
             save_npy_atomic(self._raw_path(number), raw)
-        else:
+        if transform is not None:
             self._save_keys(number, transform.apply(raw))
 
     def fit_transform(self, fit_chunks: list[int]) -> KeyTransform:
@@ -312,7 +318,21 @@ class _DenseBuild:
                 self.build.chunk_path(number, "offsets.npy"))
             row += len(chunk_keys)
         keys.flush()
+        if self.config.keep_states:
+            self._join_states()
         return keys_path, offsets
+
+    def _join_states(self) -> None:
+        """With `keep_states`: every chunk's raw states into one `states.npy`, in entry order."""
+        states = np.lib.format.open_memmap(
+            self.build.dir / STATES_FILE, mode="w+", dtype=np.float16,
+            shape=(self.num_keys, self.model.config.hidden_size))
+        row = 0
+        for number in range(len(self.chunks)):
+            chunk_states = np.load(self._raw_path(number), mmap_mode="r")
+            states[row : row + len(chunk_states)] = chunk_states
+            row += len(chunk_states)
+        states.flush()
 
     def write_values(self, offsets: np.ndarray) -> tuple[list[str], np.ndarray]:
         """The value files: offsets, the token stream (each token once), document bounds;
@@ -321,7 +341,10 @@ class _DenseBuild:
         save_npy_atomic(self.build.dir / OFFSETS_FILE, offsets)
         save_npy_atomic(self.build.dir / STREAM_FILE, stream)
         save_npy_atomic(self.build.dir / DOC_STARTS_FILE, self.doc_starts)
-        return [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE], stream
+        files = [TRANSFORM_FILE, OFFSETS_FILE, STREAM_FILE, DOC_STARTS_FILE]
+        if self.config.keep_states:
+            files.append(STATES_FILE)
+        return files, stream
 
     def manifest(self, transform: KeyTransform, index_settings: dict) -> Manifest:
         sample = sum(self.docs[n].num_keys for c in self.chunks if c.fit for n in c.docs)
