@@ -1,0 +1,108 @@
+"""The scaling curve and the ablations of `retrieval_study.py`, as tables and one plot.
+
+Reads every `results/retrieval/<name>.json` and writes `results/retrieval/README.md` and
+`results/retrieval/scaling.png` (mean accepted length against store size, log scale, DReSD and
+REST at their defaults and at equal tree budgets). The ratio the paper reports is
+
+    DReSD / REST = DReSD's mean accepted length / REST's       (same store, prompts, steps)
+
+    .venv/bin/python benchmarks/retrieval_summary.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "retrieval"
+DRESD_DEFAULT = "dresd (distance, 10 drafts, k=50, len=10)"
+REST_DEFAULT = "rest (64 nodes)"
+PAIRS = [("defaults (DReSD 10x10, REST 64 nodes)", DRESD_DEFAULT, REST_DEFAULT),
+         *[(f"{n} nodes each", f"dresd (agreement, {n} nodes, k=50, len=10)", f"rest ({n} nodes)")
+           for n in (4, 16, 64)]]
+
+
+def fmt_size(tokens: int) -> str:
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1e6 else f"{tokens / 1e3:.0f}k"
+
+
+def scaling_table(name: str, result: dict) -> list[str]:
+    lines = [f"### {name}: {result['prompts']} {result['dataset']} prompts, {result['tokens']} "
+             f"AR tokens, store `{Path(result['store']).name}`, {result['dtype']}, "
+             f"{result['threads']} thread", "",
+             "Mean accepted length (tokens per verify, bonus included); DReSD / REST in "
+             "brackets; est. speedup over AR from the verify-cost curve.", "",
+             "| store tokens | entries | " + " | ".join(p[0] for p in PAIRS)
+             + " | est. speedup DReSD default / REST default |",
+             "| ---: | ---: |" + " ---: |" * (len(PAIRS) + 1)]
+    for row in result["scaling"]:
+        methods = row["methods"]
+        cells = []
+        for _, dresd, rest in PAIRS:
+            d, r = methods[dresd]["mean_accepted_length"], methods[rest]["mean_accepted_length"]
+            cells.append(f"{d:.2f} / {r:.2f} (**{d / r:.2f}x**)")
+        speed = (f"{methods[DRESD_DEFAULT]['est_speedup']:.2f}x / "
+                 f"{methods[REST_DEFAULT]['est_speedup']:.2f}x")
+        lines.append(f"| {fmt_size(row['size_tokens'])} | {row['entries']:,} | "
+                     + " | ".join(cells) + f" | {speed} |")
+    return lines + [""]
+
+
+def ablation_table(name: str, result: dict) -> list[str]:
+    lines = [f"### Ablations, {name} (store of {fmt_size(result['store_tokens'])} tokens, "
+             f"{result['prompts']} prompts)", "",
+             "| keys | shape | entries | mean accepted length | acceptance rate | drafted/step "
+             "| draft ms/step | est. speedup |", "| --- | --- | ---: | ---: | ---: | ---: | ---: "
+             "| ---: |"]
+    for keys, variant in result["ablations"].items():
+        for method, m in variant["methods"].items():
+            lines.append(f"| {keys} | {method} | {variant['entries']:,} | "
+                         f"{m['mean_accepted_length']:.3f} | {m['acceptance_rate']:.1%} | "
+                         f"{m['drafted_per_step']:.1f} | {m['draft_ms_per_step']:.2f} | "
+                         f"{m['est_speedup']:.2f}x |")
+    return lines + [""]
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (name, result) in zip(axes[0], results.items(), strict=True):
+        sizes = [row["size_tokens"] for row in result["scaling"]]
+        for label, method, style in [("DReSD 10x10 (paper)", DRESD_DEFAULT, "C0-o"),
+                                     ("DReSD 16 nodes", PAIRS[2][1], "C0--s"),
+                                     ("REST 64 nodes (default)", REST_DEFAULT, "C3-o"),
+                                     ("REST 16 nodes", PAIRS[2][2], "C3--s")]:
+            ax.plot(sizes, [row["methods"][method]["mean_accepted_length"]
+                            for row in result["scaling"]], style, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("store size (corpus tokens)")
+        ax.set_ylabel("mean accepted length")
+        ax.set_title(f"{name} ({result['prompts']} prompts)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))
+               if not p.name.endswith(".ar.json")}
+    lines = ["# DReSD's retrieval: store size and ablations (benchmarks/retrieval_study.py)", "",
+             "Replayed on AR's own outputs (greedy), bf16, 1 thread; see the study's docstring. "
+             "Regenerate with `benchmarks/retrieval.sh`.", "", "![scaling](scaling.png)", ""]
+    for name, result in results.items():
+        lines += scaling_table(name, result)
+    for name, result in results.items():
+        if "ablations" in result:
+            lines += ablation_table(name, result)
+    (RESULTS / "README.md").write_text("\n".join(lines))
+    plot(results, RESULTS / "scaling.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
