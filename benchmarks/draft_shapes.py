@@ -3,20 +3,10 @@ priced with the measured verify-cost curve.
 
     python benchmarks/draft_shapes.py --outputs RUN/outputs.jsonl --datastore STORE [--limit N]
 
-Greedy verification accepts exactly the longest tree path that equals the target's own next
-tokens, and the output is AR's. So, given AR's tokens for a prompt (a bench run's outputs.jsonl
-holds them), the speculative loop can be replayed without verify forwards:
-
-1. one target forward over prompt + AR output gives every position's last-layer hidden state;
-2. at a step whose bonus token sits at position i, the drafter proposes from ids[: i + 1] and
-   hidden[i - 1] (the state that predicted the bonus token, as in the engine);
-3. the drafts merge into a token tree; accepted = the longest tree path equal to ids[i + 1 :];
-4. the next step's bonus token is at i + accepted + 1.
-
-Up to float noise in the hidden states (one forward instead of the incremental ones, which can
-move an ANN neighbour) these are the engine's own steps. Each step is priced at
-cost(1 + tree nodes) one-token decode steps, from `results/engine.json` (linear between the
-measured tree sizes; the step's drafting time, under 1% in the recorded runs, is left out), and
+The loop is replayed on AR's own tokens (`dresd.bench.replay`; a bench run's outputs.jsonl
+holds them). Each step is priced at cost(1 + tree nodes) one-token decode steps, from
+`results/engine.json` (linear between the measured tree sizes; the step's drafting time, under
+1% in the recorded runs, is left out), and
 
     estimated speedup = generated tokens / sum over steps of cost(1 + tree nodes)
 
@@ -34,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dresd.bench.replay import Reference, drafter_proposer, reference, replay
 from dresd.datasets import load_prompts
-from dresd.decoding.tree import DraftTree
-from dresd.drafters import DraftContext, make_drafter
+from dresd.drafters import make_drafter
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
 
@@ -60,29 +50,15 @@ def step_cost(curve: dict[int, float], tree_tokens: int) -> float:
     return float(np.interp(tree_tokens, sizes, [curve[s] for s in sizes]))
 
 
-def accepted_length(tree: DraftTree, future: list[int]) -> int:
-    """Greedy verification: how far the tree follows the target's own next tokens."""
-    node, accepted = 0, 0
-    for token in future:
-        node = tree.children[node].get(token)
-        if node is None:
-            break
-        accepted += 1
-    return accepted
-
-
-def replay(drafter, ids: list[int], hidden: torch.Tensor, prompt_len: int) -> list[tuple]:
-    """(tree nodes, accepted) for every step of the loop over `ids` (prompt + AR output)."""
-    steps, i = [], prompt_len  # ids[prompt_len] is the first token, emitted by the prefill
-    tokens = np.asarray(ids, dtype=np.int64)
-    while i < len(ids) - 1:
-        remaining = len(ids) - 1 - i
-        drafts = drafter.propose(DraftContext(tokens[: i + 1], hidden[i - 1], remaining))
-        tree = DraftTree.from_drafts(ids[i], [d[:remaining] for d in drafts if d])
-        accepted = accepted_length(tree, ids[i + 1 :])
-        steps.append((tree.num_drafted, accepted))
-        i += accepted + 1
-    return steps
+def recorded_references(target, ar_rows: list[dict]) -> list[Reference]:
+    """The replay references of a bench run's AR rows (outputs.jsonl)."""
+    prompts, refs = {}, []
+    for row in ar_rows:
+        if row["dataset"] not in prompts:
+            prompts[row["dataset"]] = load_prompts(row["dataset"])
+        text = prompts[row["dataset"]][row["prompt_index"]].text
+        refs.append(reference(target, encode_prompt(target.tokenizer, text), row["token_ids"]))
+    return refs
 
 
 def main() -> None:
@@ -102,19 +78,10 @@ def main() -> None:
     target = load_target("default")
     drafters = {label: make_drafter(method, datastore=args.datastore, **options)
                 for label, method, options in SHAPES}
-    prompts = {}
-    steps: dict[str, list[tuple]] = {label: [] for label in drafters}
     started = time.perf_counter()
-    for row in ar_rows:
-        if row["dataset"] not in prompts:
-            prompts[row["dataset"]] = load_prompts(row["dataset"])
-        prompt = encode_prompt(target.tokenizer, prompts[row["dataset"]][row["prompt_index"]].text)
-        ids = prompt + row["token_ids"]
-        with torch.inference_mode():
-            out = target.model(torch.tensor([ids]), output_hidden_states=True)
-        hidden = out.hidden_states[-1][0]
-        for label, drafter in drafters.items():
-            steps[label] += replay(drafter, ids, hidden, len(prompt))
+    refs = recorded_references(target, ar_rows)
+    steps = {label: replay(refs, drafter_proposer(drafter, refs))[0]
+             for label, drafter in drafters.items()}
     tokens = sum(len(r["token_ids"]) for r in ar_rows)
 
     table = {}

@@ -17,15 +17,14 @@ let every variant refit its own keys without a new forward. Each variant is repl
    drafts from the precomputed neighbours of the position its bonus token sits at;
 4. REST on the same documents: a suffix array over the same token stream, real `RestDrafter`.
 
-Metrics per variant, over all steps of all prompts (a step = one verify):
+Metrics per variant, over all steps of all prompts (a step = one verify; `dresd.bench.replay`):
 
     mean accepted length = mean over steps of (accepted draft tokens + 1)    (the bonus counts)
     acceptance rate      = accepted draft tokens / drafted tokens
-    est. speedup         = tokens x t_step / sum over steps of (cost(1 + nodes) x t_step + t_draft)
+    est. speedup         = from the verify-cost curve, AR's time per token and the variant's
+                           measured single-query search plus draft time (`dresd.bench.replay`)
 
-with cost() the machine's verify-cost curve (`dresd calibrate`), t_step AR's measured time per
-token, t_draft the variant's measured single-query search plus draft time. The estimate is
-derived, not run; `bench` measures the real figure for the shapes that matter.
+The estimate is derived, not run; `bench` measures the real figure for the shapes that matter.
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ from pathlib import Path
 import faiss
 import numpy as np
 import torch
-from draft_shapes import accepted_length
 from tqdm import tqdm
 
-from dresd.calibrate import cost_at, load_or_measure
+from dresd.bench.replay import Reference, drafter_proposer, reference, replay, summarise
+from dresd.calibrate import load_or_measure
 from dresd.corpus import CorpusSpec, tokenize_corpus
 from dresd.datasets import load_prompts
 from dresd.datastore import index as key_index
@@ -50,8 +49,7 @@ from dresd.datastore.dense import STATES_FILE
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse import sparse_in_memory
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
-from dresd.decoding.tree import DraftTree
-from dresd.drafters import DraftContext, RestDrafter
+from dresd.drafters import RestDrafter
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target, load_target
 from dresd.prompts import encode_prompt
@@ -62,13 +60,6 @@ FIT_SAMPLE = 200_000  # entries the transform of a variant is fitted on (random,
 
 
 # --- 1. references: AR's output and the query states ------------------------------------------
-
-@dataclass
-class Reference:
-    ids: list[int]  # prompt + AR output
-    prompt_len: int
-    hidden: np.ndarray  # [len(ids), d] float32: last-layer state at every position
-
 
 def references(target: Target, dataset: str, limit: int, max_new_tokens: int,
                cache: Path) -> tuple[list[Reference], float]:
@@ -91,10 +82,7 @@ def references(target: Target, dataset: str, limit: int, max_new_tokens: int,
             cached[str(n)] = row
         seconds += row["seconds"]
         tokens += len(row["output"])
-        full = ids + row["output"]
-        with torch.inference_mode():
-            hidden = target.model.base_model(input_ids=torch.tensor([full])).last_hidden_state
-        refs.append(Reference(full, len(ids), hidden[0].float().numpy()))
+        refs.append(reference(target, ids, row["output"]))
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(cached))
     return refs, seconds / max(tokens, 1)
@@ -292,36 +280,6 @@ def dense_drafts(store: StudyStore, ranked: np.ndarray, bonus: int, shape: Shape
     return drafts
 
 
-def replay(refs: list[Reference], propose) -> tuple[list[tuple[int, int]], float]:
-    """(tree nodes, accepted) per step over every reference, and the seconds `propose` took.
-    `propose(ref_number, i, remaining)` returns the drafts of the step whose bonus is ids[i]."""
-    steps, seconds = [], 0.0
-    for n, ref in enumerate(refs):
-        i = ref.prompt_len
-        while i < len(ref.ids) - 1:
-            remaining = len(ref.ids) - 1 - i
-            started = time.process_time()
-            drafts = propose(n, i, remaining)
-            seconds += time.process_time() - started
-            tree = DraftTree.from_drafts(ref.ids[i], [d[:remaining] for d in drafts if d])
-            accepted = accepted_length(tree, ref.ids[i + 1 :])
-            steps.append((tree.num_drafted, accepted))
-            i += accepted + 1
-    return steps, seconds
-
-
-def summarise(steps: list[tuple[int, int]], draft_seconds: float, tokens: int,
-              curve: dict[int, float], step_seconds: float) -> dict:
-    nodes = np.array([n for n, _ in steps])
-    accepted = np.array([a for _, a in steps])
-    verify = sum(cost_at(curve, 1 + int(n)) for n in nodes) * step_seconds
-    return {"mean_accepted_length": float((accepted + 1).mean()),
-            "acceptance_rate": float(accepted.sum() / max(nodes.sum(), 1)),
-            "drafted_per_step": float(nodes.mean()), "steps": len(steps),
-            "draft_ms_per_step": 1e3 * draft_seconds / len(steps),
-            "est_speedup": tokens * step_seconds / (verify + draft_seconds + step_seconds)}
-
-
 # --- 4. the study ---------------------------------------------------------------------------------
 
 DRESD_DEFAULT = Shape()  # the paper's: 10 drafts x 10 tokens from k = 50, rank order
@@ -347,12 +305,7 @@ def evaluate(store, keys, refs, shapes, rest_budgets, tokens, curve, step_second
         sparse = sparse_in_memory(store.stream[:end], store.doc_starts[: keys.num_docs + 1])
         for budget in rest_budgets:
             drafter = RestDrafter(sparse, max_tree_nodes=budget)
-
-            def propose(n, i, remaining, drafter=drafter):
-                tokens_so_far = np.asarray(refs[n].ids[: i + 1], dtype=np.int64)
-                return drafter.propose(DraftContext(tokens_so_far, None, remaining))
-
-            steps, seconds = replay(refs, propose)
+            steps, seconds = replay(refs, drafter_proposer(drafter, refs))
             results[f"rest ({budget} nodes)"] = summarise(steps, seconds, tokens, curve,
                                                           step_seconds)
     return results

@@ -4,6 +4,7 @@ and learning from what the target emitted. (Losslessness: test_lossless_greedy, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
     small_vocab_model,
 )
 
+from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
 from dresd.calibrate import cost_at
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.drafters.base import DraftContext
@@ -34,10 +36,12 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_table_moves_from_its_prior_to_the_observed_rate():
     table = AcceptanceTable(prior_strength=4.0)
-    cell = (("pld",), 0, 1)
+    cell = (("pld",), 0, 1, True)
     prior = table.probability(cell)
-    # Before any observation: agreement between sources and neighbours raises the estimate.
-    assert table.probability((("dresd", "pld"), 3, 1)) > prior
+    # Before any observation: agreement between sources and neighbours raises the estimate,
+    # and a sibling's second choice is less likely than its first.
+    assert table.probability((("dresd", "pld"), 3, 1, True)) > prior
+    assert table.probability((("pld",), 0, 1, False)) < prior
     for accepted in [True] * 90 + [False] * 10:
         table.observe(cell, accepted)
     assert table.probability(cell) == pytest.approx((90 + 4 * prior) / 104)
@@ -67,6 +71,50 @@ def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
 ])
 def test_budget_maximises_expected_tokens_per_cost(reach, curve, expected):
     assert best_budget(reach, curve) == expected
+
+
+class FixedBudget(HybridDrafter):
+    """hybrid with its budget fixed at n nodes: the same candidates and estimates."""
+
+    def __init__(self, n: int, **options) -> None:
+        super().__init__(**options)
+        self.n = n
+
+    def choose_budget(self, ranked_reach: list[float]) -> int:
+        return min(self.n, len(ranked_reach))
+
+
+def recorded(name: str) -> list[Reference]:
+    """AR outputs recorded by a bench run (bf16, default model): tests/data/recorded_*.jsonl."""
+    rows = (Path(__file__).parent / "data" / f"recorded_{name}.jsonl").read_text().splitlines()
+    return [Reference(r["prompt_ids"] + r["output_ids"], len(r["prompt_ids"]), None)
+            for r in map(json.loads, rows)]
+
+
+def estimated_speedup(drafter: HybridDrafter, refs: list[Reference]) -> float:
+    """Tokens per unit of verify cost, replayed (drafting time left out)."""
+    steps, _ = replay(refs, drafter_proposer(drafter, refs), drafter)
+    tokens = sum(len(r.ids) - r.prompt_len for r in refs)
+    return summarise(steps, 0.0, tokens, drafter.cost, 1.0)["est_speedup"]
+
+
+CURVES = {  # verify cost by tree tokens, in decode steps
+    "nearly flat (a GPU)": {1: 1.0, 64: 1.3},
+    "this CPU, bf16": {1: 1.0, 4: 0.98, 8: 1.24, 16: 1.61, 32: 2.56, 64: 4.69},
+    "steep (fp32 on a small CPU)": {1: 1.0, 2: 1.3, 4: 1.9, 8: 3.1, 16: 5.5, 64: 20.0},
+}
+
+
+@pytest.mark.parametrize("curve_name", CURVES)
+@pytest.mark.parametrize("recording", ["humaneval", "mt_bench"])
+def test_chosen_budget_beats_every_fixed_budget_on_recorded_runs(recording, curve_name):
+    """On recorded AR outputs, hybrid's per-step budget is at least as good as the best fixed
+    budget over the same candidates, whatever the cost curve: a wrong budget fails here."""
+    refs, curve = recorded(recording), CURVES[curve_name]
+    chosen = estimated_speedup(HybridDrafter(cost=curve), refs)
+    fixed = {n: estimated_speedup(FixedBudget(n, cost=curve), refs) for n in (1, 2, 4, 8, 16, 32)}
+    assert chosen >= 0.97 * max(fixed.values()), (chosen, fixed)
+    assert chosen >= 0.99  # never slower than plain decoding, by the curve
 
 
 def context(tokens: list[int], remaining: int = 50) -> DraftContext:

@@ -9,7 +9,8 @@ machine's verify-cost curve. At every step this drafter:
    datastore holds), merged into one trie rooted at the bonus token.
 2. Gives each node v an acceptance estimate. p(v) = P(v accepted | its parent accepted) is read
    from a table of Beta posteriors keyed by the node's features: which sources propose it, how
-   many dense neighbours agree on it (0, 1, 2-3, 4+) and its depth (1, 2, 3, 4+):
+   many dense neighbours agree on it (0, 1, 2-3, 4+), its depth (1, 2, 3, 4+), and whether it
+   is the first choice among its siblings (the most candidates of any source pass through it):
 
        p(cell) = (accepted(cell) + s * prior(cell)) / (tried(cell) + s),  s = prior_strength
 
@@ -27,12 +28,19 @@ machine's verify-cost curve. At every step this drafter:
    or not: accepted if its token is the one that came. The table persists across generations
    of one drafter, so a bench or a server calibrates it on its own workload.
 
+5. Consults a source only while it pays for its search: each accepted token is credited to
+   the cheapest source that proposed it (in `SOURCE_ORDER`), and a source whose credited tokens
+   per consulted step (an exponential average) fall below `min_gain` is consulted on every
+   `gate_period`-th step only, so that it can come back when the content changes. Prompt
+   lookup, the cheapest, is always consulted.
+
 The priors are deliberately mild guesses (agreement between sources and neighbours helps, depth
 hurts); `prior_strength` = 4 observations, so a few steps of this workload override them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +56,10 @@ from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.models import Target
 
-Cell = tuple[tuple[str, ...], int, int]  # (sources, support bucket, depth bucket)
+# (sources, support bucket, depth bucket, first among its siblings)
+Cell = tuple[tuple[str, ...], int, int, bool]
+SOURCE_ORDER = ("pld", "suffix", "rest", "dresd")  # cheapest first: who is credited a token
+GAIN_DECAY = 0.9  # the credited-tokens average: gain <- 0.9 gain + 0.1 (tokens this step)
 
 
 def support_bucket(neighbours: int) -> int:
@@ -58,10 +69,11 @@ def support_bucket(neighbours: int) -> int:
 
 def prior_mean(cell: Cell) -> float:
     """A mild guess at p(cell) before any observation: 0.25 for one source at depth 1, more
-    with every other source and with agreeing neighbours, less with depth."""
-    sources, support, depth = cell
+    with every other source and with agreeing neighbours, less with depth, and half as much
+    for a node that is not the first choice among its siblings."""
+    sources, support, depth, first = cell
     guess = 0.25 + 0.15 * (len(sources) - 1) + 0.1 * max(support - 1, 0)
-    return min(0.85, guess) * 0.9 ** (depth - 1)
+    return min(0.85, guess) * 0.9 ** (depth - 1) * (1.0 if first else 0.5)
 
 
 @dataclass
@@ -90,9 +102,11 @@ class CandidateTree:
     depths: list[int] = field(default_factory=lambda: [0])
     sources: list[set[str]] = field(default_factory=lambda: [set()])
     support: list[int] = field(default_factory=lambda: [0])  # dense neighbours through node
+    votes: list[int] = field(default_factory=lambda: [0])  # candidates through node, any source
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
-    def add(self, draft: Draft, source: str) -> None:
+    def add(self, draft: Draft, source: str, repeats: int = 1) -> None:
+        """Add one candidate (proposed `repeats` times: dense neighbours that agree)."""
         node = 0
         for token in draft:
             child = self.children[node].get(int(token))
@@ -103,16 +117,20 @@ class CandidateTree:
                 self.depths.append(self.depths[node] + 1)
                 self.sources.append(set())
                 self.support.append(0)
+                self.votes.append(0)
                 self.children.append({})
                 self.children[node][int(token)] = child
             self.sources[child].add(source)
-            self.support[child] += source == "dresd"
+            self.support[child] += repeats if source == "dresd" else 0
+            self.votes[child] += repeats
             node = child
 
     def cell(self, node: int) -> Cell:
         sources = self.sources[node]
         names = tuple(sorted(sources)) if len(sources) > 1 else tuple(sources)
-        return names, support_bucket(self.support[node]), min(self.depths[node], 4)
+        siblings = self.children[self.parents[node]].values()
+        first = node == max(siblings, key=lambda v: (self.votes[v], -v))  # most votes, earliest
+        return names, support_bucket(self.support[node]), min(self.depths[node], 4), first
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
         """P(v) for every node: the probability that verification reaches it (root: 1)."""
@@ -157,17 +175,21 @@ class HybridDrafter:
     draft_len: int = 10  # tokens per candidate at most
     max_tree_nodes: int = 64  # candidates considered at most (the most probable)
     prior_strength: float = 4.0  # observations the prior is worth
+    min_gain: float = 0.05  # credited tokens per step below which a source is gated ...
+    gate_period: int = 8  # ... and consulted on every gate_period-th step only
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
     cost: dict[int, float] | None = None
     name: str = "hybrid"
     table: AcceptanceTable = field(init=False, repr=False)
     sources: dict = field(init=False, repr=False)
-    # the previous step: (candidate tree, context length, the context's last 16 tokens)
+    # the previous step: (candidate tree, context length, its last 16 tokens, sources asked)
     last: tuple | None = field(default=None, init=False, repr=False)
+    gain: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.draft_len < 1 or self.max_tree_nodes < 1:
-            raise ValueError("hybrid needs draft_len and max_tree_nodes >= 1")
+        if self.draft_len < 1 or self.max_tree_nodes < 1 or self.gate_period < 1:
+            raise ValueError("hybrid needs draft_len, max_tree_nodes and gate_period >= 1")
         self.table = AcceptanceTable(self.prior_strength)
         self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3),
                         "suffix": SuffixDrafter(max_tree_nodes=16)}
@@ -178,6 +200,7 @@ class HybridDrafter:
                                                    max_tree_nodes=16)
             if "dense" in parts:
                 self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len)
+        self.gain = dict.fromkeys(self.sources, 1.0)  # optimistic: every source is tried first
 
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""
@@ -194,24 +217,37 @@ class HybridDrafter:
         self._learn(context.token_ids)
         tree = CandidateTree()
         draft_len = min(self.draft_len, context.max_draft_len)
-        if draft_len >= 1:
-            for name, source in self.sources.items():
-                if name == "dresd":  # every neighbour counts: agreement is a feature
-                    drafts = source.neighbour_drafts(context, draft_len)
-                else:
-                    drafts = source.propose(context)
-                for draft in drafts:
-                    tree.add(draft[:draft_len], name)
+        asked = self.sources_to_ask() if draft_len >= 1 else []
+        for name in asked:
+            if name == "dresd":  # every neighbour counts: agreement is a feature
+                neighbours = self.sources[name].neighbour_drafts(context, draft_len)
+                for draft, repeats in Counter(tuple(d.tolist()) for d in neighbours).items():
+                    tree.add(draft, name, repeats)
+                continue
+            for draft in self.sources[name].propose(context):
+                tree.add(draft[:draft_len], name)
         length = len(context.token_ids)
-        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy())
+        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy(), asked)
         if len(tree.tokens) == 1:
             return []
         reach = tree.reach_probabilities(self.table)
         order = np.argsort(-np.asarray(reach[1:]), kind="stable")[: self.max_tree_nodes] + 1
-        n = best_budget([reach[i] for i in order], self.cost)
+        n = self.choose_budget([reach[i] for i in order])
         kept = set(order[:n].tolist())
         leaves = [v for v in kept if not any(c in kept for c in tree.children[v].values())]
         return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])]
+
+    def choose_budget(self, ranked_reach: list[float]) -> int:
+        """How many of the candidates (most probable first) this step verifies."""
+        return best_budget(ranked_reach, self.cost)
+
+    def sources_to_ask(self) -> list[str]:
+        """The sources consulted this step: prompt lookup, every source whose credited tokens
+        per step reach `min_gain`, and the others on every `gate_period`-th step."""
+        self.steps += 1
+        probe = self.steps % self.gate_period == 0
+        return [name for name in self.sources
+                if name == "pld" or probe or self.gain[name] >= self.min_gain]
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: sources that learn from outputs (suffix) take it."""
@@ -220,18 +256,23 @@ class HybridDrafter:
                 source.observe(prompt, output, hidden_states)
 
     def _learn(self, token_ids: np.ndarray) -> None:
-        """Score the previous step's candidates against the tokens that step emitted."""
+        """Score the previous step's candidates against the tokens that step emitted, and
+        credit each accepted token to the cheapest source that proposed it."""
         if self.last is None:
             return
-        tree, length, tail = self.last
+        tree, length, tail, asked = self.last
         self.last = None
         if len(token_ids) <= length or not np.array_equal(token_ids[length - len(tail) : length],
                                                           tail):
             return  # a new generation: the last step's candidates are not comparable
+        credited = dict.fromkeys(asked, 0)
         node = 0
         for token in token_ids[length:].tolist():
             for child in tree.children[node].values():
                 self.table.observe(tree.cell(child), tree.tokens[child] == token)
             node = tree.children[node].get(token, -1)
             if node < 0:
-                return
+                break
+            credited[min(tree.sources[node], key=SOURCE_ORDER.index)] += 1
+        for name, tokens in credited.items():
+            self.gain[name] = GAIN_DECAY * self.gain[name] + (1 - GAIN_DECAY) * tokens

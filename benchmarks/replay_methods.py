@@ -1,0 +1,78 @@
+"""Any methods replayed on a recorded bench run's AR outputs: a quick, load-proof estimate.
+
+    python benchmarks/replay_methods.py --run benchmarks/results/hybrid/humaneval-stdlib \
+        --methods 'suffix,hybrid,hybrid[draft_len=16]' [--limit N] [--name NAME]
+
+The run's report gives the prompts, the datastore, the dtype, the verify-cost curve and AR's
+time per token; every method is replayed on AR's outputs (`dresd.bench.replay`), drafting
+timed in CPU time, and priced with that curve. Where the run measured a method of the same
+label, its measured speedup is printed beside the estimate, to read the estimate against. With
+--name, the table is written to results/replay/NAME.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from draft_shapes import recorded_references
+
+from dresd.bench.replay import drafter_proposer, replay, summarise
+from dresd.cli import parse_methods
+from dresd.drafters import make_drafter
+from dresd.models import load_target
+
+RESULTS = Path(__file__).parent / "results" / "replay"
+COMBINED = ("hybrid",)  # methods that combine the others: not "single methods"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, required=True, help="a bench --out folder")
+    parser.add_argument("--methods", required=True, help="as bench --methods")
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts of the run")
+    parser.add_argument("--name", default=None, help="write results/replay/NAME.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    report = json.loads((args.run / "report.json").read_text())
+    meta = report["meta"]
+    curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
+    rows = [json.loads(line) for line in (args.run / "outputs.jsonl").read_text().splitlines()]
+    ar_rows = [r for r in rows if r["method"] == "ar"][: args.limit]
+    ar = report["methods"]["ar"]
+    step_seconds = 1.0 / ar["tokens_per_s"]
+    target = load_target(meta["model"], dtype=meta["dtype"])
+    refs = recorded_references(target, ar_rows)
+    tokens = sum(len(r["token_ids"]) for r in ar_rows)
+
+    table = {}
+    for label, method, options in parse_methods(args.methods):
+        drafter = make_drafter(method, datastore=meta.get("datastore"), cost=curve, **options)
+        steps, seconds = replay(refs, drafter_proposer(drafter, refs), drafter)
+        table[label] = summarise(steps, seconds, tokens, curve, step_seconds)
+    singles = [m for m in table if m.split("[")[0] not in COMBINED]
+    best = max(singles, key=lambda m: table[m]["est_speedup"]) if singles else None
+    lines = [f"# Replayed on `{args.run}` ({len(refs)} prompts, {tokens} tokens, {meta['dtype']}, "
+             f"{meta['threads']} thread)", "",
+             "| method | mean accepted length | drafted/step | draft ms/step | draft share | "
+             "est. speedup | est. / best single | measured speedup (recorded run) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, t in table.items():
+        measured = report["methods"].get(label, {}).get("speedup")
+        ratio = t["est_speedup"] / max(1.0, table[best]["est_speedup"]) if best else float("nan")
+        lines.append(f"| {label} | {t['mean_accepted_length']:.2f} | {t['drafted_per_step']:.1f} "
+                     f"| {t['draft_ms_per_step']:.2f} | {t['draft_share']:.1%} "
+                     f"| {t['est_speedup']:.2f}x | {ratio:.2f} "
+                     f"| {f'{measured:.2f}x' if measured else '-'} |")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.name:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{args.name}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
