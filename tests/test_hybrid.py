@@ -47,6 +47,18 @@ def test_table_moves_from_its_prior_to_the_observed_rate():
     assert table.probability(cell) == pytest.approx((90 + 4 * prior) / 104)
 
 
+def test_a_fitted_prior_replaces_the_guess(tmp_path):
+    fitted = AcceptanceTable()
+    often, rare = (("suffix",), 0, 2, True), (("rest",), 0, 1, False)
+    for accepted in [True] * 27 + [False] * 3:
+        fitted.observe(often, accepted)
+    fitted.observe(rare, True)  # tried once: too few to fit, left out
+    fitted.save(tmp_path / "prior.json")
+    drafter = HybridDrafter(prior=str(tmp_path / "prior.json"), cost={1: 1.0})
+    assert drafter.table.probability(often) == pytest.approx(0.9)
+    assert drafter.table.probability(rare) == AcceptanceTable().probability(rare)
+
+
 def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
     tree = CandidateTree()
     for draft in ([1, 2, 3], [1, 4], [5], [6], [7]):

@@ -40,6 +40,7 @@ hurts); `prior_strength` = 4 observations, so a few steps of this workload overr
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,19 +79,41 @@ def prior_mean(cell: Cell) -> float:
 
 @dataclass
 class AcceptanceTable:
-    """p(node accepted | parent accepted) per feature cell, a Beta posterior (see module doc)."""
+    """p(node accepted | parent accepted) per feature cell, a Beta posterior (see module doc).
+
+    The prior mean of a cell is `fitted`'s rate where a fitted prior has one (`save`d from the
+    table of a replay over recorded runs: `benchmarks/fit_hybrid_prior.py`), else
+    `prior_mean`'s guess.
+    """
 
     prior_strength: float = 4.0
     counts: dict[Cell, list[float]] = field(default_factory=dict)  # cell -> [accepted, tried]
+    fitted: dict[Cell, float] = field(default_factory=dict)  # cell -> fitted prior mean
 
     def probability(self, cell: Cell) -> float:
         accepted, tried = self.counts.get(cell, (0.0, 0.0))
-        return (accepted + self.prior_strength * prior_mean(cell)) / (tried + self.prior_strength)
+        prior = self.fitted.get(cell)
+        if prior is None:
+            prior = prior_mean(cell)
+        return (accepted + self.prior_strength * prior) / (tried + self.prior_strength)
 
     def observe(self, cell: Cell, accepted: bool) -> None:
         counts = self.counts.setdefault(cell, [0.0, 0.0])
         counts[0] += accepted
         counts[1] += 1
+
+    def save(self, path: str | Path, min_tried: int = 20) -> None:
+        """The observed rate of every cell tried at least `min_tried` times, as JSON."""
+        rows = [{"sources": list(c[0]), "support": c[1], "depth": c[2], "first": c[3],
+                 "accepted": a, "tried": t} for c, (a, t) in sorted(self.counts.items())
+                if t >= min_tried]
+        Path(path).write_text(json.dumps({"cells": rows}, indent=1) + "\n")
+
+    def load_prior(self, path: str | Path) -> None:
+        """Take the rates a `save` wrote as this table's prior means."""
+        rows = json.loads(Path(path).read_text())["cells"]
+        self.fitted = {(tuple(r["sources"]), r["support"], r["depth"], r["first"]):
+                       r["accepted"] / r["tried"] for r in rows}
 
 
 @dataclass
@@ -175,6 +198,7 @@ class HybridDrafter:
     draft_len: int = 10  # tokens per candidate at most
     max_tree_nodes: int = 64  # candidates considered at most (the most probable)
     prior_strength: float = 4.0  # observations the prior is worth
+    prior: str | None = None  # a fitted prior (JSON of AcceptanceTable.save); None: a guess
     min_gain: float = 0.05  # credited tokens per step below which a source is gated ...
     gate_period: int = 8  # ... and consulted on every gate_period-th step only
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
@@ -191,6 +215,8 @@ class HybridDrafter:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.gate_period < 1:
             raise ValueError("hybrid needs draft_len, max_tree_nodes and gate_period >= 1")
         self.table = AcceptanceTable(self.prior_strength)
+        if self.prior is not None:
+            self.table.load_prior(self.prior)
         self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3),
                         "suffix": SuffixDrafter(max_tree_nodes=16)}
         if self.datastore is not None:
