@@ -28,12 +28,6 @@ machine's verify-cost curve. At every step this drafter:
    or not: accepted if its token is the one that came. The table persists across generations
    of one drafter, so a bench or a server calibrates it on its own workload.
 
-5. Consults a source only while it pays for its search: each accepted token is credited to
-   the cheapest source that proposed it (in `SOURCE_ORDER`), and a source whose credited tokens
-   per consulted step (an exponential average) fall below `min_gain` is consulted on every
-   `gate_period`-th step only, so that it can come back when the content changes. Prompt
-   lookup, the cheapest, is always consulted.
-
 The priors are deliberately mild guesses (agreement between sources and neighbours helps, depth
 hurts); `prior_strength` = 4 observations, so a few steps of this workload override them.
 """
@@ -59,8 +53,6 @@ from dresd.models import Target
 
 # (sources, support bucket, depth bucket, first among its siblings)
 Cell = tuple[tuple[str, ...], int, int, bool]
-SOURCE_ORDER = ("pld", "suffix", "rest", "dresd")  # cheapest first: who is credited a token
-GAIN_DECAY = 0.9  # the credited-tokens average: gain <- 0.9 gain + 0.1 (tokens this step)
 
 
 def support_bucket(neighbours: int) -> int:
@@ -199,21 +191,17 @@ class HybridDrafter:
     max_tree_nodes: int = 64  # candidates considered at most (the most probable)
     prior_strength: float = 4.0  # observations the prior is worth
     prior: str | None = None  # a fitted prior (JSON of AcceptanceTable.save); None: a guess
-    min_gain: float = 0.05  # credited tokens per step below which a source is gated ...
-    gate_period: int = 8  # ... and consulted on every gate_period-th step only
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
     cost: dict[int, float] | None = None
     name: str = "hybrid"
     table: AcceptanceTable = field(init=False, repr=False)
     sources: dict = field(init=False, repr=False)
-    # the previous step: (candidate tree, context length, its last 16 tokens, sources asked)
+    # the previous step: (candidate tree, context length, the context's last 16 tokens)
     last: tuple | None = field(default=None, init=False, repr=False)
-    gain: dict[str, float] = field(default_factory=dict, init=False, repr=False)
-    steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.draft_len < 1 or self.max_tree_nodes < 1 or self.gate_period < 1:
-            raise ValueError("hybrid needs draft_len, max_tree_nodes and gate_period >= 1")
+        if self.draft_len < 1 or self.max_tree_nodes < 1:
+            raise ValueError("hybrid needs draft_len and max_tree_nodes >= 1")
         self.table = AcceptanceTable(self.prior_strength)
         if self.prior is not None:
             self.table.load_prior(self.prior)
@@ -226,7 +214,6 @@ class HybridDrafter:
                                                    max_tree_nodes=16)
             if "dense" in parts:
                 self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len)
-        self.gain = dict.fromkeys(self.sources, 1.0)  # optimistic: every source is tried first
 
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""
@@ -243,8 +230,7 @@ class HybridDrafter:
         self._learn(context.token_ids)
         tree = CandidateTree()
         draft_len = min(self.draft_len, context.max_draft_len)
-        asked = self.sources_to_ask() if draft_len >= 1 else []
-        for name in asked:
+        for name in self.sources if draft_len >= 1 else []:
             if name == "dresd":  # every neighbour counts: agreement is a feature
                 neighbours = self.sources[name].neighbour_drafts(context, draft_len)
                 for draft, repeats in Counter(tuple(d.tolist()) for d in neighbours).items():
@@ -253,7 +239,7 @@ class HybridDrafter:
             for draft in self.sources[name].propose(context):
                 tree.add(draft[:draft_len], name)
         length = len(context.token_ids)
-        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy(), asked)
+        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy())
         if len(tree.tokens) == 1:
             return []
         reach = tree.reach_probabilities(self.table)
@@ -267,14 +253,6 @@ class HybridDrafter:
         """How many of the candidates (most probable first) this step verifies."""
         return best_budget(ranked_reach, self.cost)
 
-    def sources_to_ask(self) -> list[str]:
-        """The sources consulted this step: prompt lookup, every source whose credited tokens
-        per step reach `min_gain`, and the others on every `gate_period`-th step."""
-        self.steps += 1
-        probe = self.steps % self.gate_period == 0
-        return [name for name in self.sources
-                if name == "pld" or probe or self.gain[name] >= self.min_gain]
-
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: sources that learn from outputs (suffix) take it."""
         for source in self.sources.values():
@@ -282,23 +260,18 @@ class HybridDrafter:
                 source.observe(prompt, output, hidden_states)
 
     def _learn(self, token_ids: np.ndarray) -> None:
-        """Score the previous step's candidates against the tokens that step emitted, and
-        credit each accepted token to the cheapest source that proposed it."""
+        """Score the previous step's candidates against the tokens that step emitted."""
         if self.last is None:
             return
-        tree, length, tail, asked = self.last
+        tree, length, tail = self.last
         self.last = None
         if len(token_ids) <= length or not np.array_equal(token_ids[length - len(tail) : length],
                                                           tail):
             return  # a new generation: the last step's candidates are not comparable
-        credited = dict.fromkeys(asked, 0)
         node = 0
         for token in token_ids[length:].tolist():
             for child in tree.children[node].values():
                 self.table.observe(tree.cell(child), tree.tokens[child] == token)
             node = tree.children[node].get(token, -1)
             if node < 0:
-                break
-            credited[min(tree.sources[node], key=SOURCE_ORDER.index)] += 1
-        for name, tokens in credited.items():
-            self.gain[name] = GAIN_DECAY * self.gain[name] + (1 - GAIN_DECAY) * tokens
+                return
