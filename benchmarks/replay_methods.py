@@ -50,6 +50,8 @@ def main() -> None:
 
     table = {}
     for label, method, options in parse_methods(args.methods):
+        if method == "ar":  # the baseline: est. speedup 1 by definition
+            continue
         drafter = make_drafter(method, datastore=meta.get("datastore"), cost=curve, **options)
         steps, seconds = replay(refs, drafter_proposer(drafter, refs), drafter)
         table[label] = summarise(steps, seconds, tokens, curve, step_seconds)
