@@ -41,7 +41,7 @@ $DRESD corpus regenerate --model default --corpus "$DATA/gsm8k/train.jsonl" "${G
     --limit "$STDLIB_FILES" --out "$STORES/stdlib-1m"
 for store in gsm8k-id-all gsm8k-ood stdlib-1m; do $DRESD inspect "$STORES/$store"; done
 
-# 3. The study (AR references are cached in results/retrieval/<name>.ar.json).
+# 3. The study (AR outputs are cached in results/retrieval/ar-<dataset>-<limit>.json).
 STUDY=(.venv/bin/python benchmarks/retrieval_study.py --limit 100 --max-new-tokens 128)
 "${STUDY[@]}" --store "$STORES/gsm8k-id-all" --dataset gsm8k --name gsm8k-id --ablations
 "${STUDY[@]}" --store "$STORES/gsm8k-ood" --dataset gsm8k --name gsm8k-ood

@@ -358,7 +358,7 @@ def ablations(store, refs, size, response_starts, ctx) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", type=Path, required=True, help="built with --keep-states")
+    parser.add_argument("--store", type=Path, help="built with --keep-states")
     parser.add_argument("--dataset", default="gsm8k", help="gsm8k | humaneval | a .jsonl")
     parser.add_argument("--limit", type=int, default=100, help="first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -367,15 +367,19 @@ def main() -> None:
     parser.add_argument("--ablations", action="store_true", help="also the ablations")
     parser.add_argument("--ablation-size", type=int, default=0, help="0: the whole store")
     parser.add_argument("--name", required=True, help="results/retrieval/NAME.json")
+    parser.add_argument("--references-only", action="store_true",
+                        help="only compute (and cache) AR's outputs for the prompts")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     target = load_target("default", dtype="auto")
+    refs, step_seconds = references(target, args.dataset, args.limit, args.max_new_tokens,
+                                    RESULTS / f"ar-{args.dataset}-{args.limit}.json")
+    if args.references_only:
+        return
+    tokens = sum(len(r.ids) - r.prompt_len for r in refs)
     store = StudyStore(args.store)
     total = int(store.doc_starts[-1])
-    refs, step_seconds = references(target, args.dataset, args.limit, args.max_new_tokens,
-                                    RESULTS / f"{args.name}.ar.json")
-    tokens = sum(len(r.ids) - r.prompt_len for r in refs)
     curve = load_or_measure(target)
     ctx = {"work": Path("/tmp") / f"retrieval-study-{args.name}",
            "pricing": {"tokens": tokens, "curve": curve, "step_seconds": step_seconds}}

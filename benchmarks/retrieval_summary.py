@@ -90,7 +90,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main() -> None:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))
-               if not p.name.endswith(".ar.json")}
+               if not p.name.startswith("ar-")}
     lines = ["# DReSD's retrieval: store size and ablations (benchmarks/retrieval_study.py)", "",
              "Replayed on AR's own outputs (greedy), bf16, 1 thread; see the study's docstring. "
              "Regenerate with `benchmarks/retrieval.sh`.", "", "![scaling](scaling.png)", ""]
