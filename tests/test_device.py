@@ -10,6 +10,8 @@ it; elsewhere they skip.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -126,6 +128,24 @@ def test_cuda_without_cuda_is_one_clear_error(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("dresd: error: device 'cuda' asked for, but")
+
+
+def test_gpu_benchmark_runs_on_a_tiny_model(tmp_path):
+    """benchmarks/gpu.py --smoke: the script the GPU machine runs, on the CPU in a second."""
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--out", str(tmp_path / "gpu.json")]) == 0
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    tiny = report["models"]["tiny"]
+    assert list(tiny["verify_cost"]) == ["1", "2", "4", "8"] and tiny["verify_cost"]["1"] == 1.0
+    assert set(tiny["loop_parts_ms"]["4"]) == {"tree_tensors", "forward", "accept", "compact"}
+    methods = tiny["end_to_end"]
+    assert list(methods) == ["ar", "none", "pld", "hybrid", "oracle 1x8", "oracle 4x8"]
+    assert all(r["output"] in ("identical", "near_tie") for m, r in methods.items() if m != "ar")
+    assert methods["oracle 4x8"]["mean_accepted_length"] > 4  # its branch is found
+    assert "| oracle 4x8 |" in (tmp_path / "gpu.md").read_text()
 
 
 # -- on CUDA: the same losslessness tests as on the CPU -------------------------------------
