@@ -10,6 +10,7 @@ it; elsewhere they skip.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
@@ -100,11 +101,17 @@ def test_the_loop_makes_every_tensor_on_the_models_device(device):
     assert recorder.strays == []
 
 
-def test_the_runner_makes_its_prompt_on_the_models_device(default_target):
+def test_the_runner_and_server_make_their_prompt_on_the_models_device(default_target):
+    from dresd.serve.engine import Engine, Job, Plan
+
     settings = GenerationSettings(max_new_tokens=4)
+    engine = Engine(default_target, {}, settings, "pld", [])
+    loop = asyncio.new_event_loop()  # the job posts its tokens there; nothing reads them
     with StrayTensorRecorder(default_target.device) as recorder:
         for method in ("ar", "pld"):
             MethodRunner(default_target, method, settings).generate([1, 2, 3, 4])
+        engine.generate(Job([1, 2, 3, 4], Plan("pld", PromptLookupDrafter(), settings), loop))
+    loop.close()
     assert recorder.strays == []
 
 
