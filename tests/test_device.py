@@ -4,8 +4,10 @@ On a CPU, a TorchFunctionMode records every tensor factory (`torch.tensor`, `zer
 ...) that dresd's own code calls while the loop runs, and every move to the host
 (`.cpu()`, `.to("cpu")`, `.numpy()`); a factory without `device=` (it would land on the CPU
 whatever the model's device) or with another device than the model's fails the test, and so
-does a move to the host. Where CUDA exists, the greedy-equality and sampling tests also run on
-it; elsewhere they skip.
+does a move to the host. (Injected by hand into generate.py, a `torch.tensor(tree.depths)` and
+a `.cpu()` on the query each failed it.) What a CPU run cannot tell apart is a factory that
+names the CPU literally; on CUDA this same test catches that too. Where CUDA exists, the
+greedy-equality, sampling and calibration tests also run there; elsewhere they skip.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ DRESD_DIR = str(Path(dresd.__file__).parent)
 
 
 class StrayTensorRecorder(TorchFunctionMode):
-    """Records each factory call and each move to the host made by code under `root`, where
-    the tensor does not land on `device`, or where no device was named."""
+    """Records, for code under `root`: each factory call that names no device or another
+    than `device`, and each move of a tensor off `device` (`.cpu()`, `.numpy()`, `.to(...)`)."""
 
     def __init__(self, device: torch.device, root: str = DRESD_DIR) -> None:
         super().__init__()
@@ -59,7 +61,7 @@ class StrayTensorRecorder(TorchFunctionMode):
         leaves = func in TO_HOST or (func is torch.Tensor.to and isinstance(result, torch.Tensor)
                                      and result.device != self.device)
         if leaves:
-            self.strays.append(f"{where}: Tensor.{func.__name__} to the host")
+            self.strays.append(f"{where}: Tensor.{func.__name__} off the model's device")
         return result
 
     def _caller(self) -> str | None:
@@ -191,3 +193,17 @@ def test_speculative_sampling_matches_model_distribution_on_cuda():
     assert accepted > ts.RUNS // 10, "the draft trees should often be accepted"
     assert ts.goodness_of_fit(next_counts, next_probs) > ts.ALPHA
     assert ts.goodness_of_fit(pair_counts, pair_probs) > ts.ALPHA
+
+
+@CUDA
+def test_calibrate_on_cuda_keys_the_curve_by_gpu(tmp_path, monkeypatch):
+    from dresd.calibrate import curve_path, load_or_measure
+    from dresd.models import Target
+
+    monkeypatch.setenv("DRESD_CACHE", str(tmp_path))
+    target = Target(model=tiny_on("cuda"), tokenizer=None, name="tiny")
+    curve = load_or_measure(target, quiet=True)
+    assert curve[1] == 1.0 and all(cost > 0 for cost in curve.values())
+    gpu = torch.cuda.get_device_name(0).replace(" ", "-")  # "NVIDIA H200" -> "NVIDIA-H200"
+    assert curve_path(target).name.endswith(f"-cuda-{gpu}.json")  # another GPU, another curve
+    assert json.loads(curve_path(target).read_text())["device"].startswith("cuda:0 (")
