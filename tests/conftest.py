@@ -34,10 +34,10 @@ def tiny(request) -> torch.nn.Module:
 @pytest.fixture(scope="session")
 def default_target() -> Target:
     """The default model in float32: token-identical to plain decoding, on any machine."""
-    return load_target("default", dtype="float32")
+    return load_target("default", dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def default_target_bf16() -> Target:
     """The default model in bfloat16 with prepacked weights, the fast CPU path."""
-    return load_target("default", dtype="bfloat16")
+    return load_target("default", dtype="bfloat16", device="cpu")

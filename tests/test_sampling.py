@@ -34,6 +34,10 @@ ALPHA = 1e-3
 
 @pytest.fixture(scope="module")
 def small_vocab_model():
+    return make_small_vocab_model()
+
+
+def make_small_vocab_model():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -2,8 +2,10 @@
 
 Whether a draft pays depends on this curve: a tree of t tokens that is expected to yield E tokens
 is worth verifying when E / cost(t) beats plain decoding's 1 / cost(1) = 1. The curve depends on
-the model, the dtype, the thread count and the device, so `dresd calibrate` measures it once for
-each and caches it as JSON under `$DRESD_CACHE/calibration/`; the `hybrid` drafter reads it.
+the model, the dtype, the thread count and the device (on a GPU: which GPU), so `dresd
+calibrate` measures it once for each and caches it as JSON under `$DRESD_CACHE/calibration/`;
+the `hybrid` drafter reads it. On a GPU every timed forward ends with a synchronisation, so the
+curve is the GPU's, not its kernel-launch times.
 
     cost(t) = median time of a forward over t tree tokens / median time of a one-token step
 
@@ -15,10 +17,10 @@ interpolated linearly, and beyond the last it grows by the last segment's slope.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
-from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from dresd.datastore.format import model_fingerprint
+from dresd.device import clock, device_name
 from dresd.fastpath import dtype_name
 from dresd.models import Target, cache_dir
 
@@ -49,10 +52,17 @@ def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
     return tree
 
 
-@torch.inference_mode()
 def measure_verify_cost(model: torch.nn.Module, sizes: tuple[int, ...] = TREE_SIZES,
                         context_len: int = 256, repeats: int = 7) -> dict[int, float]:
     """cost(t) for each tree size t (t = 1 is the one-token step, cost 1.0)."""
+    times = measure_verify_seconds(model, tuple(sorted({1, *sizes})), context_len, repeats)
+    return {size: times[size] / times[1] for size in sizes}
+
+
+@torch.inference_mode()
+def measure_verify_seconds(model: torch.nn.Module, sizes: tuple[int, ...] = TREE_SIZES,
+                           context_len: int = 256, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of a forward over a tree of t tokens on a warm cache, for each t."""
     from dresd.decoding.generate import target_forward  # it imports the drafters: this one too
 
     vocab = model.config.vocab_size
@@ -66,22 +76,23 @@ def measure_verify_cost(model: torch.nn.Module, sizes: tuple[int, ...] = TREE_SI
     for repeat in range(repeats + 1):
         for size in sizes:
             tree = random_tree(size, vocab, rng)
-            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype)
-            started = perf_counter()
-            target_forward(model, tree.input_ids(), cache, tree.position_ids(context_len), mask)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = perf_counter() - started
+            ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)
+            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype, device)
+            started = clock(device)
+            target_forward(model, ids, cache, positions, mask)
+            elapsed = clock(device) - started
             cache.crop(-size)
             if repeat > 0:  # the first round is a warm-up
                 times[size].append(elapsed)
-    step = statistics.median(times[1])
-    return {size: statistics.median(t) / step for size, t in times.items()}
+    return {size: statistics.median(t) for size, t in times.items()}
 
 
 def curve_path(target: Target) -> Path:
-    """Where the curve of this model, dtype, thread count and device is cached."""
+    """Where the curve of this model, dtype, thread count and device is cached. A GPU's key
+    names the GPU (`cuda-NVIDIA-H200`): another card has another curve."""
     device = target.device.type
+    if device == "cuda":
+        device += "-" + re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(target.device))
     name = (f"{model_fingerprint(target.model)[:16]}-{dtype_name(target.dtype)}-"
             f"{torch.get_num_threads()}threads-{device}.json")
     return cache_dir() / "calibration" / name
@@ -98,7 +109,7 @@ def load_or_measure(target: Target, force: bool = False, quiet: bool = False) ->
     cost = measure_verify_cost(target.model)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"model": target.name, "dtype": dtype_name(target.dtype),
-              "threads": torch.get_num_threads(), "device": target.device.type,
+              "threads": torch.get_num_threads(), "device": device_name(target.device),
               "cost": {str(size): value for size, value in cost.items()}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")

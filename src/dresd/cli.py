@@ -18,6 +18,7 @@ import torch
 from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec, iter_jsonl
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
+from dresd.device import DEVICE_HELP, device_name
 from dresd.drafters import DRAFTERS
 from dresd.fastpath import DTYPES, dtype_name, native_bf16_flags
 from dresd.metrics import GenerationResult, summarize
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--model", default=DEFAULT_MODEL)
     calibrate.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(calibrate)
+    _add_device_option(calibrate)
     calibrate.add_argument("--force", action="store_true", help="measure again, even if cached")
     calibrate.set_defaults(func=cmd_calibrate)
 
@@ -123,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "hidden size x 2 bytes per entry) for studies that refit the keys")
     build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(build)
-    build.add_argument("--device", default="cpu",
-                       help="where the target runs the forward: cpu (default), cuda, cuda:1 ...")
+    _add_device_option(build)
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
 
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(regen)
-    regen.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1 ...")
+    _add_device_option(regen)
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
     regen.set_defaults(func=cmd_regenerate)
 
@@ -185,11 +186,20 @@ def _add_dtype_option(p: argparse.ArgumentParser) -> None:
                         "near-ties: see README)")
 
 
-def load_target_from_args(args: argparse.Namespace, device: str = "cpu") -> Target:
-    """The target of --model in --dtype; says which dtype `auto` chose, on stderr."""
-    target = load_target(args.model, dtype=args.dtype, device=device)
+def _add_device_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+
+
+def load_target_from_args(args: argparse.Namespace) -> Target:
+    """The target of --model in --dtype on --device; says what `auto` chose, on stderr."""
+    target = load_target(args.model, dtype=args.dtype, device=args.device)
+    device = target.device
+    if args.device == "auto" and device.type != "cpu":
+        print(f"dresd: device {device_name(device)} (auto)", file=sys.stderr)
     if args.dtype == "auto":
-        why = (", ".join(native_bf16_flags()) or "no native bf16") if device == "cpu" else device
+        why = device_name(device)
+        if device.type == "cpu":
+            why = ", ".join(native_bf16_flags()) or "no native bf16"
         print(f"dresd: dtype {dtype_name(target.dtype)} (auto; {why})", file=sys.stderr)
     return target
 
@@ -207,6 +217,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(p)
+    _add_device_option(p)
     p.add_argument("--pld-max-ngram", type=int, default=None, dest="max_ngram")
     p.add_argument("--pld-min-ngram", type=int, default=None, dest="min_ngram")
     p.add_argument("--draft-len", type=int, default=None, help="tokens per draft")
@@ -282,7 +293,7 @@ def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]
     if "draft" in methods:
         if args.draft_model is None:
             raise UserError("--method draft needs --draft-model")
-        draft = load_target(args.draft_model, dtype=target.dtype)
+        draft = load_target(args.draft_model, dtype=target.dtype, device=target.device)
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise UserError(f"the draft model {args.draft_model!r} does not share the "
                             f"tokenizer of the target {args.model!r}")
@@ -321,6 +332,7 @@ def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
         "seconds": figures["seconds"],
         "threads": torch.get_num_threads(),
         "dtype": dtype_name(runner.target.dtype),
+        "device": str(runner.target.device),
     }
     if runner.method != AR:
         keys = ["mean_accepted_length", "acceptance_rate", "num_target_forwards",
@@ -445,6 +457,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "sampling": "greedy" if settings.sampling is None else vars(settings.sampling),
         "threads": torch.get_num_threads(),
         "dtype": dtype_name(target.dtype),
+        "device": device_name(target.device),
         "prepacked": bool(getattr(target.model, "_dresd_prepacked", False)),
         "cpu": platform.processor() or platform.machine(),
         "cpu_native_bf16": native_bf16_flags(),
@@ -480,7 +493,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     set_threads(args)
     target = load_target_from_args(args)
     cost = load_or_measure(target, force=args.force)
-    print(f"verify cost in decode steps ({dtype_name(target.dtype)}, "
+    print(f"verify cost in decode steps ({dtype_name(target.dtype)}, {device_name(target.device)}, "
           f"{torch.get_num_threads()} thread(s)); cached in {curve_path(target)}")
     for size, value in cost.items():
         print(f"  {size:3d} tokens: {value:.2f}")
@@ -504,15 +517,15 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     set_threads(args)
     spec = corpus_spec_from_args(args)
-    if args.kind == "sparse":  # no forward pass: the dense options do not apply
-        out = build_sparse_datastore(load_target(args.model, prepack=False), spec, args.out,
-                                     progress=not args.quiet)
+    if args.kind == "sparse":  # no forward pass: the dense options (and --device) do not apply
+        out = build_sparse_datastore(load_target(args.model, device="cpu", prepack=False), spec,
+                                     args.out, progress=not args.quiet)
         print(out)
         return 0
     config = DenseBuildConfig(pca_dim=args.pca_dim, value_len=args.value_len, index=args.index,
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens, keep_states=args.keep_states)
-    target = load_target_from_args(args, args.device)
+    target = load_target_from_args(args)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
                       with_sparse=args.kind == "dense,sparse")
     print(out)
@@ -532,7 +545,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               batch_size=args.batch_size, temperature=args.temperature,
                               seed=args.seed, limit=args.limit)
     read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
-    target = load_target_from_args(args, args.device)
+    target = load_target_from_args(args)
     rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
     print(f"{args.out}: {rows} responses")
     return 0

@@ -186,7 +186,8 @@ def invariant_attention(
             mask = torch.zeros_like(mask, dtype=torch.float64).masked_fill_(~mask, -torch.inf)
         scores = scores + mask.double().unsqueeze(1)
     elif rows > 1:  # causal: row i sees the keys up to its own position
-        visible = torch.ones(rows, length, dtype=torch.bool).tril(length - rows)
+        visible = torch.ones(rows, length, dtype=torch.bool, device=query.device)
+        visible = visible.tril(length - rows)
         scores = scores.masked_fill(~visible, -torch.inf)
     weights = torch.softmax(scores, dim=-1).view(batch, kv_heads, groups * rows, length)
     out = (weights @ value.double()).view(batch, heads, rows, dim)

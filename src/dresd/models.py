@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.device import resolve_device
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 
 DEFAULT_MODEL = "default"
@@ -153,11 +154,13 @@ def resolve_model_path(name: str) -> str:
 def load_target(
     name: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "auto",
-    device: str = "cpu",
+    device: str | torch.device = "auto",
     prepack: bool = True,
 ) -> Target:
     """Load a causal LM and its tokenizer from `default`, a local folder or a Hub id.
 
+    `device`: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`
+    (`device.resolve_device`; CUDA asked for but not usable is an error, never a CPU run).
     `dtype`: a torch dtype or a --dtype name; `auto` is bf16 where the device multiplies it
     natively and fp32 elsewhere (`fastpath.resolve_dtype`). `prepack`: on a CPU, reorder the
     linear layers' weights once for oneDNN (`fastpath.prepack_linears`), a faster forward.
@@ -166,6 +169,7 @@ def load_target(
     """
     from dresd.datastore.format import model_fingerprint  # format imports this module
 
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name)
     # "org/name" is a Hub id; an absolute, relative or home path is a folder.
@@ -185,7 +189,8 @@ def load_target(
     model.eval()
     model._dresd_fingerprint = model_fingerprint(model)
     model.to(device=device, dtype=dtype)
-    # Batch invariance needs both: packed linears and float64-accumulated attention (CPU).
+    # Batch invariance needs both: packed linears and float64-accumulated attention. Both are
+    # CPU-only: on a GPU (or in fp16) prepack_linears packs nothing and SDPA stays.
     if prepack and prepack_linears(model):
         use_invariant_attention(model)
     return Target(model=model, tokenizer=tokenizer, name=name)

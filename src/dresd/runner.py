@@ -8,11 +8,11 @@ and so is plain decoding through the same loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from time import perf_counter
 
 import torch
 
 from dresd.decoding import SamplingConfig, speculative_generate
+from dresd.device import clock
 from dresd.drafters import Drafter, make_drafter
 from dresd.metrics import GenerationResult
 from dresd.models import Target
@@ -67,7 +67,7 @@ class MethodRunner:
 
     def generate(self, prompt_ids: list[int]) -> GenerationResult:
         max_new_tokens = self.check_fits(prompt_ids)
-        input_ids = torch.tensor([prompt_ids])
+        input_ids = torch.tensor([prompt_ids], device=self.target.device)
         if self.drafter is None:
             return self._hf_generate(input_ids, max_new_tokens)
         return speculative_generate(
@@ -98,7 +98,8 @@ class MethodRunner:
         if self.settings.stop_strings:
             options.update(stop_strings=self.settings.stop_strings, tokenizer=self.target.tokenizer)
         eos = self.target.eos_token_ids
-        started = perf_counter()
+        device = self.target.device
+        started = clock(device)
         output = self.target.model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -109,7 +110,7 @@ class MethodRunner:
             return_dict_in_generate=True,
             **options,
         )
-        seconds = perf_counter() - started
+        seconds = clock(device) - started
         new_tokens = output.sequences[0, input_ids.shape[1] :].tolist()
         top2 = torch.stack([step[0] for step in output.logits]).float().topk(2, dim=-1).values
         # generate runs one forward per new token: the prefill gives the first.

@@ -22,7 +22,9 @@ def keep_cache_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> 
 
 
 def _move_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> None:
-    index = torch.tensor([prefix_len + node for node in kept_nodes])
+    # On the cache's own device: a CPU index into GPU keys would copy it at every layer.
+    index = torch.tensor([prefix_len + node for node in kept_nodes],
+                         device=cache.layers[0].keys.device)
     for layer in cache.layers:
         # Entries [prefix_len + k] <- [prefix_len + kept_nodes[k]]; the rest is cut off.
         kept = slice(prefix_len, prefix_len + len(kept_nodes))

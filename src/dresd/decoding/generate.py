@@ -8,12 +8,16 @@
 
 Lossless: with greedy acceptance the output is token for token plain greedy decoding; with
 sampling acceptance every token is drawn from the model's own distribution (see verify.py).
+
+Device: every tensor the loop makes (prompt ids, tree ids, mask, positions, the cache index,
+the sampling generator) is created on the model's device. Per step the host reads back only
+the tokens it accepts; the drafter gets the query state where it is and moves it itself, once,
+if its index lives elsewhere (`drafters/dense.py`). Timings wait for the device (`clock`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from time import perf_counter
 
 import numpy as np
 import torch
@@ -24,6 +28,7 @@ from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 from dresd.decoding.verify import greedy_accept, sampling_accept
+from dresd.device import clock
 from dresd.drafters.base import DraftContext, Drafter
 from dresd.metrics import GenerationResult, StepRecord
 
@@ -68,16 +73,16 @@ def supports_tree_attention(model: PreTrainedModel) -> bool:
     vocab = model.config.vocab_size
     a, b, c = 1 % vocab, 2 % vocab, 3 % vocab
     tree = DraftTree(tokens=[a, b, c], parents=[-1, 0, 0], depths=[0, 1, 1])
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     try:
         tree_logits, _ = target_forward(
             model,
-            tree.input_ids(),
+            tree.input_ids(device),
             cache=None,
-            position_ids=tree.position_ids(0),
-            attention_mask=tree.attention_mask(0, dtype),
+            position_ids=tree.position_ids(0, device),
+            attention_mask=tree.attention_mask(0, dtype, device),
         )
-        plain_logits, _ = target_forward(model, torch.tensor([[a, c]]), cache=None)
+        plain_logits, _ = target_forward(model, torch.tensor([[a, c]], device=device), cache=None)
         scale = plain_logits[1].abs().max().clamp_min(1e-6)
         # A mask that is ignored changes logits by O(1); reduced precision moves them by a
         # few ulps (bf16: eps = 2^-7), which must not read as "ignored".
@@ -142,8 +147,9 @@ def speculative_generate(
     `on_tokens`, if given, gets each step's emitted tokens as they are accepted (streaming);
     returning False stops the generation there (stop reason "cancelled").
     """
-    started = perf_counter()
-    prompt = input_ids.reshape(-1).tolist()
+    device = next(model.parameters()).device
+    started = clock(device)
+    prompt = input_ids.reshape(-1).tolist()  # `input_ids` may be on any device
     if not prompt:
         raise ValueError("the prompt is empty")
     if max_new_tokens < 1:
@@ -151,7 +157,7 @@ def speculative_generate(
     max_length = max_length or len(prompt) + max_new_tokens
     tree_attention = supports_tree_attention(model)
     dtype = next(model.parameters()).dtype
-    generator = sampling.generator() if sampling else None
+    generator = sampling.generator(device) if sampling else None
     stopping = StoppingRule(max_new_tokens, eos_token_ids, stop_strings, tokenizer)
 
     def choose(logits: torch.Tensor) -> int:
@@ -161,12 +167,13 @@ def speculative_generate(
 
     # 1. Prefill: the prompt enters the cache; its last position gives the first token.
     cache = DynamicCache(config=model.config)
-    logits, hidden = target_forward(model, torch.tensor([prompt]), cache, logits_to_keep=1)
+    logits, hidden = target_forward(model, torch.tensor([prompt], device=device), cache,
+                                    logits_to_keep=1)
     query = hidden[-1]  # the state that predicted the pending token: the drafter's query
     emitted = [choose(logits[-1])]
     context = np.array(prompt + [0] * (max_new_tokens + 1), dtype=np.int64)
     n = len(prompt)  # tokens in `context`; the cache holds all but the last one
-    result = GenerationResult(token_ids=[], prefill_seconds=perf_counter() - started)
+    result = GenerationResult(token_ids=[], prefill_seconds=clock(device) - started)
     observe = getattr(drafter, "observe", None)  # a drafter that learns sees what was generated
     states = [hidden[-1:]]  # states[j] predicted output token j: keys for a learning drafter
 
@@ -188,20 +195,20 @@ def speculative_generate(
             break
 
         # 3. Draft continuations of the last token; merge them into a tree rooted at it.
-        draft_started = perf_counter()
+        draft_started = clock(device)
         max_draft_len = min(max_new_tokens - len(result.token_ids) - 1, max_length - n)
         drafts = drafter.propose(DraftContext(context[:n], query, max_draft_len))
         drafts = [d[:max_draft_len] for d in drafts if len(d) > 0 and max_draft_len > 0]
         if not tree_attention:
             drafts = drafts[:1]  # a causal mask can only verify one linear draft
         tree = DraftTree.from_drafts(int(context[n - 1]), drafts)
-        verify_started = perf_counter()
+        verify_started = clock(device)
 
         # 4. Verify: one forward over the whole tree on top of the cache (which holds n-1).
         prefix_len = n - 1
-        mask = None if tree.is_linear() else tree.attention_mask(prefix_len, dtype)
+        mask = None if tree.is_linear() else tree.attention_mask(prefix_len, dtype, device)
         logits, hidden = target_forward(
-            model, tree.input_ids(), cache, tree.position_ids(prefix_len), mask
+            model, tree.input_ids(device), cache, tree.position_ids(prefix_len, device), mask
         )
 
         # 5. Accept the longest path the target agrees with, plus its own next token.
@@ -222,12 +229,12 @@ def speculative_generate(
                 num_accepted=len(path) - 1,
                 draft_depth=tree.depth,
                 draft_seconds=verify_started - draft_started,
-                verify_seconds=perf_counter() - verify_started,
+                verify_seconds=clock(device) - verify_started,
             )
         )
 
     if observe is not None:  # a drafter that learns keeps what the model just said
         observe(prompt, result.token_ids, torch.cat(states)[: len(result.token_ids)])
     result.num_target_forwards = 1 + len(result.steps)
-    result.total_seconds = perf_counter() - started
+    result.total_seconds = clock(device) - started
     return result

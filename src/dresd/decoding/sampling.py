@@ -27,8 +27,10 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-    def generator(self) -> torch.Generator:
-        gen = torch.Generator()
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator of every sample, on the device the probabilities live on (a CUDA
+        stream of random numbers differs from the CPU's: a seed reproduces a run per device)."""
+        gen = torch.Generator(device=device)
         if self.seed is None:
             gen.seed()
         else:

@@ -21,7 +21,8 @@ Draft = list[int]
 @dataclass
 class DraftContext:
     token_ids: np.ndarray  # int64 [n]: prompt + output so far; the last is the bonus token
-    # [d]: the target's last-layer hidden state at the position that predicted the bonus token
+    # [d]: the target's last-layer hidden state at the position that predicted the bonus token,
+    # on the model's device (a drafter whose index lives in host memory moves it there)
     hidden_state: torch.Tensor
     max_draft_len: int  # drafts are cut to this many tokens (fewer remain to be generated)
 

@@ -61,8 +61,10 @@ class DraftModelDrafter:
 
     def _forward(self, new_tokens: list[int]) -> torch.Tensor:
         start = len(self._cached_tokens)
-        positions = torch.arange(start, start + len(new_tokens))[None]
-        out = self.model(input_ids=torch.tensor([new_tokens]), position_ids=positions,
-                         cache=self._cache, use_cache=True, logits_to_keep=1)
+        device = next(self.model.parameters()).device  # the draft model's, like the target's
+        positions = torch.arange(start, start + len(new_tokens), device=device)[None]
+        out = self.model(input_ids=torch.tensor([new_tokens], device=device),
+                         position_ids=positions, cache=self._cache, use_cache=True,
+                         logits_to_keep=1)
         self._cached_tokens += new_tokens
         return out.logits[0, -1]

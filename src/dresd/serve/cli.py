@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target = load_target_from_args(args)  # --model in --dtype
+    target = load_target_from_args(args)  # --model in --dtype on --device
     # The command line's drafter options, without a datastore: each store gets its own drafter.
     methods = [args.method] + (["draft"] if args.draft_model else [])
     options = drafter_options(argparse.Namespace(**{**vars(args), "datastore": None}), target,

@@ -232,7 +232,7 @@ class Engine:
         return speculative_generate(
             self.target.model,
             plan.drafter,
-            torch.tensor([job.prompt_ids]),
+            torch.tensor([job.prompt_ids], device=self.target.device),
             max_new_tokens=plan.settings.max_new_tokens,
             sampling=plan.settings.sampling,
             eos_token_ids=self.target.eos_token_ids,
