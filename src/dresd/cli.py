@@ -22,6 +22,7 @@ from dresd.corpus import (
     CorpusSpec,
     iter_jsonl,
     output_row,
+    save_output,
 )
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
@@ -75,10 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a text file (one prompt) or a .jsonl file (one prompt per line)")
     gen.add_argument("--prompt-field", default="prompt", help="field of a .jsonl prompt file")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    gen.add_argument("--save-outputs", type=Path, default=None, metavar="FILE.jsonl",
-                     help="append each prompt and output (text and exact token ids) to this "
-                          "file: a corpus for `dresd build`, and what `dresd build --append` "
-                          "adds to an existing datastore (so that what --learn learns lasts)")
+    add_save_outputs_option(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = commands.add_parser("bench", help="every method side by side on real prompts")
@@ -188,6 +186,13 @@ def _add_corpus_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-doc-tokens", type=int, default=1024,
                    help="longer documents are cut into pieces of this many tokens")
     p.add_argument("--limit", type=int, default=None, help="read at most this many documents")
+
+
+def add_save_outputs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-outputs", type=Path, default=None, metavar="FILE.jsonl",
+                   help="append each prompt and output (text and exact token ids) to this "
+                        "file: a corpus for `dresd build`, and what `dresd build --append` adds "
+                        "to an existing datastore (so that what --learn learns lasts)")
 
 
 def _add_dtype_option(p: argparse.ArgumentParser) -> None:
@@ -381,12 +386,6 @@ def output_origin(target: Target) -> dict:
 
     return {"model": target.name, "model_fingerprint": model_fingerprint(target.model),
             "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer)}
-
-
-def save_output(path: Path, row: dict) -> None:
-    """Append one row to a JSON Lines file (each row whole: one write, flushed)."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def _figure_line(record: dict) -> str:

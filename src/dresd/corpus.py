@@ -199,6 +199,12 @@ def output_row(prompt: str, response: str, prompt_ids: Sequence[int], token_ids:
             **{key: made_by[key] for key in OUTPUT_ID_FIELDS[2:]}}
 
 
+def save_output(path: Path, row: dict) -> None:
+    """Append one row to a JSON Lines file (each row whole: one write, flushed)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def _saved_ids(row: dict, path: Path, number: int) -> dict:
     """The Document fields of a saved output's ids (none for a plain pair)."""
     if "token_ids" not in row:
