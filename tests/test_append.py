@@ -123,6 +123,8 @@ def test_a_second_identical_request_drafts_from_the_first_output_after_append(
                  "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(store)
     assert read_manifest(store).settings["appends"][0]["documents"] == 1
+    assert main(["inspect", str(store)]) == 0
+    assert "appended " in capsys.readouterr().out
     settings = GenerationSettings(40)
     for method in ("dresd", "rest"):
         runner = MethodRunner(default_target, method, settings, datastore=str(store),
