@@ -247,9 +247,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "paper's --num-drafts x --draft-len shape; suffix: tokens per "
                         "speculation tree, default 32)")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
-                   help="suffix, rest, dresd: keep each finished output in an in-memory store "
-                        "searched with the others (suffix default: on, its global tree; rest, "
-                        "dresd: off)")
+                   help="suffix, rest, dresd, hybrid: keep each finished output in an "
+                        "in-memory store searched with the others (suffix default: on, its "
+                        "global tree; rest, dresd: off; hybrid: its suffix source only, "
+                        "--learn adds REST's and DReSD's)")
     p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
                    help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
     p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
@@ -356,7 +357,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "(build one with `dresd build`)")
     if args.learn is not None and "learn" not in getattr(DRAFTERS.get(args.method),
                                                          "__dataclass_fields__", {}):
-        raise UserError(f"--learn applies to suffix, rest and dresd, not {args.method}")
+        raise UserError(f"--learn applies to suffix, rest, dresd and hybrid, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():
