@@ -31,6 +31,7 @@ from dresd.bench.report import build_report, markdown_table, write_report
 from dresd.bench.runner import BenchRecord
 from dresd.cli import parse_methods
 from dresd.datasets import EvalPrompt, data_dir, read_jsonl, round_robin
+from dresd.fastpath import dtype_name
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
@@ -110,6 +111,7 @@ def main() -> None:
         "model": target.name, "methods": methods, "datasets": [args.set],
         "prompts": len(records) // len(runners), "max_new_tokens": args.max_new_tokens,
         "sampling": "greedy", "threads": torch.get_num_threads(),
+        "dtype": dtype_name(target.dtype),
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
         "transformers": transformers.__version__, "datastore": str(args.datastore),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
