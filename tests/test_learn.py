@@ -135,3 +135,22 @@ def test_dresd_second_identical_request_drafts_from_the_first_output(default_tar
         if learn:
             assert runner.drafter.learned.num_tokens == 2 * len(expected)
     assert per_forward[True] >= 3.0 > 1.5 >= per_forward[False], per_forward
+
+
+def test_hybrid_learn_reaches_every_source(default_target, unrelated_dense_store):
+    """hybrid: by default only its suffix source keeps outputs; --learn adds DReSD's (and
+    REST's) side stores; --no-learn keeps nothing."""
+    from dresd.drafters import HybridDrafter
+
+    store = str(unrelated_dense_store)
+    cost = {1: 1.0, 8: 1.2, 32: 2.0}
+    default, learning, forgetting = (HybridDrafter(store, cost=cost, learn=learn)
+                                     for learn in (None, True, False))
+    assert default.sources["suffix"].learn and default.sources["dresd"].learned is None
+    assert learning.sources["suffix"].learn and learning.sources["dresd"].learned is not None
+    assert not forgetting.sources["suffix"].learn
+    assert forgetting.sources["dresd"].learned is None
+    runner = MethodRunner(default_target, "hybrid", GenerationSettings(16), datastore=store,
+                          learn=True, cost=cost)
+    runner.generate(encode_prompt(default_target.tokenizer, "Name a colour."))
+    assert runner.drafter.sources["dresd"].learned.num_tokens == 16

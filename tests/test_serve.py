@@ -48,9 +48,10 @@ def servers(tmp_path_factory, default_target):
     # float32, as the references: token-identical to plain decoding on any machine
     common = ["--threads", "1", "--max-new-tokens", str(MAX_TOKENS), "--dtype", "float32"]
     main = LocalServer([*common, "--datastore", str(store), "--max-queue", "32"]).start()
-    small = LocalServer([*common, "--max-queue", "1"]).start()
+    saved = folder / "saved.jsonl"  # the small server keeps its outputs (--save-outputs)
+    small = LocalServer([*common, "--max-queue", "1", "--save-outputs", str(saved)]).start()
     try:
-        yield main.wait_ready(), small.wait_ready()
+        yield main.wait_ready(), small.wait_ready(), saved
     finally:
         main.stop()
         small.stop()
@@ -296,6 +297,22 @@ def test_a_full_queue_is_503(servers):
     for thread in threads:
         thread.join()
     assert chat(client, "hi", max_tokens=2).choices[0].message.content  # up, and serving
+
+
+def test_saved_outputs_hold_the_exact_ids(servers, default_target):
+    """--save-outputs: each generation a corpus row, ids as the model saw and produced them."""
+    from dresd.datastore.format import model_fingerprint
+
+    small, saved = servers[1], servers[2]
+    client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    reply = chat(client, QUESTIONS[3]).choices[0].message.content
+    row = json.loads(saved.read_text().splitlines()[-1])  # written before the reply was sent
+    tokenizer = default_target.tokenizer
+    assert row["prompt_ids"] == encode_prompt(tokenizer, QUESTIONS[3])
+    assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == reply
+    assert row["response"] == reply and row["prompt"] == tokenizer.decode(row["prompt_ids"])
+    assert row["model_fingerprint"] == model_fingerprint(default_target.model)
 
 
 def test_a_client_that_leaves_stops_its_generation(servers):

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import torch
 
-from dresd.corpus import FORMATS, KEY_POSITIONS, CorpusError, CorpusSpec, iter_jsonl
+from dresd.corpus import (
+    FORMATS,
+    KEY_POSITIONS,
+    CorpusError,
+    CorpusSpec,
+    iter_jsonl,
+    output_row,
+    save_output,
+)
 from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.device import DEVICE_HELP, device_name
@@ -69,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a text file (one prompt) or a .jsonl file (one prompt per line)")
     gen.add_argument("--prompt-field", default="prompt", help="field of a .jsonl prompt file")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_save_outputs_option(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = commands.add_parser("bench", help="every method side by side on real prompts")
@@ -103,11 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=cmd_fetch_model)
 
     build = commands.add_parser("build", help="build a datastore from a corpus")
-    build.add_argument("--kind", choices=BUILD_KINDS, default="dense",
-                       help="dense: DReSD (hidden-state keys); sparse: REST (suffix array of "
-                            "the token ids); dense,sparse: both from one pass, in one folder")
+    build.add_argument("--kind", choices=BUILD_KINDS, default=None,
+                       help="dense (default): DReSD (hidden-state keys); sparse: REST (suffix "
+                            "array of the token ids); dense,sparse: both from one pass, in one "
+                            "folder")
     build.add_argument("--model", default=DEFAULT_MODEL, help="the target the datastore is for")
-    build.add_argument("--out", type=Path, required=True, help="the datastore folder to create")
+    build.add_argument("--out", type=Path, required=True,
+                       help="the datastore folder to create (with --append: to grow)")
+    build.add_argument("--append", action="store_true",
+                       help="add the corpus to the existing datastore --out, atomically: its "
+                            "transform, format and settings are kept (saved outputs from "
+                            "`dresd generate --save-outputs` keep their token ids)")
     _add_corpus_options(build)
     build.add_argument("--pca-dim", type=int, default=64, help="key dimensions (default 64)")
     build.add_argument("--value-len", type=int, default=20,
@@ -177,6 +192,13 @@ def _add_corpus_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="read at most this many documents")
 
 
+def add_save_outputs_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-outputs", type=Path, default=None, metavar="FILE.jsonl",
+                   help="append each prompt and output (text and exact token ids) to this "
+                        "file: a corpus for `dresd build`, and what `dresd build --append` adds "
+                        "to an existing datastore (so that what --learn learns lasts)")
+
+
 def _add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="the model's dtype; auto (default): bfloat16 where the hardware "
@@ -239,9 +261,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "paper's --num-drafts x --draft-len shape; suffix: tokens per "
                         "speculation tree, default 32)")
     p.add_argument("--learn", action=argparse.BooleanOptionalAction, default=None,
-                   help="suffix, rest, dresd: keep each finished output in an in-memory store "
-                        "searched with the others (suffix default: on, its global tree; rest, "
-                        "dresd: off)")
+                   help="suffix, rest, dresd, hybrid: keep each finished output in an "
+                        "in-memory store searched with the others (suffix default: on, its "
+                        "global tree; rest, dresd: off; hybrid: its suffix source only, "
+                        "--learn adds REST's and DReSD's)")
     p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
                    help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
     p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
@@ -349,7 +372,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "(build one with `dresd build`)")
     if args.learn is not None and "learn" not in getattr(DRAFTERS.get(args.method),
                                                          "__dataclass_fields__", {}):
-        raise UserError(f"--learn applies to suffix, rest and dresd, not {args.method}")
+        raise UserError(f"--learn applies to suffix, rest, dresd and hybrid, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
     for prompt in prompts:
         if not prompt.strip():
@@ -357,15 +380,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_target_from_args(args)
     options = drafter_options(args, target, [args.method])
     runner = MethodRunner(target, args.method, settings, **options)
+    made_by = output_origin(target)
     for prompt in prompts:
-        result = runner.generate(encode_prompt(target.tokenizer, prompt, not args.no_chat_template))
+        prompt_ids = encode_prompt(target.tokenizer, prompt, not args.no_chat_template)
+        result = runner.generate(prompt_ids)
         record = result_record(runner, result)
+        if args.save_outputs is not None:
+            save_output(args.save_outputs, output_row(prompt, record["text"], prompt_ids,
+                                                      result.token_ids, made_by))
         if args.json:
             print(json.dumps(record), flush=True)
         else:
             print(record["text"])
             print(_figure_line(record), file=sys.stderr)
     return 0
+
+
+def output_origin(target: Target) -> dict:
+    """Who makes the outputs: saved with them, checked when they are built into a store."""
+    from dresd.datastore.format import model_fingerprint, tokenizer_fingerprint
+
+    return {"model": target.name, "model_fingerprint": model_fingerprint(target.model),
+            "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer)}
 
 
 def _figure_line(record: dict) -> str:
@@ -517,6 +553,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     set_threads(args)
     spec = corpus_spec_from_args(args)
+    if args.append:
+        return cmd_append(args, spec)
+    args.kind = args.kind or "dense"
     if args.kind == "sparse":  # no forward pass: the dense options (and --device) do not apply
         out = build_sparse_datastore(load_target(args.model, device="cpu", prepack=False), spec,
                                      args.out, progress=not args.quiet)
@@ -528,6 +567,26 @@ def cmd_build(args: argparse.Namespace) -> int:
     target = load_target_from_args(args)
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
                       with_sparse=args.kind == "dense,sparse")
+    print(out)
+    return 0
+
+
+def cmd_append(args: argparse.Namespace, spec: CorpusSpec) -> int:
+    """`dresd build --append`: grow the datastore --out by the corpus (datastore/append.py)."""
+    from dresd.datastore.append import append_to_datastore
+    from dresd.datastore.format import read_manifest
+
+    manifest = read_manifest(args.out)
+    if args.kind is not None and args.kind != manifest.kind:
+        raise UserError(f"--append: {args.out} is a {manifest.kind} datastore, not {args.kind}")
+    if "dense" not in manifest.kind:  # no forward pass: a sparse store needs the tokenizer only
+        target = load_target(args.model, device="cpu", prepack=False)
+    else:
+        if args.dtype == "auto":  # keys from the dtype the stored ones came from
+            args.dtype = manifest.settings.get("build_dtype", "float32")
+        target = load_target_from_args(args)
+    out = append_to_datastore(target, spec, args.out, batch_tokens=args.batch_tokens,
+                              progress=not args.quiet)
     print(out)
     return 0
 

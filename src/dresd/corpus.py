@@ -21,6 +21,14 @@ Keys are taken at every position that has a next token (the authors' choice) or,
 `keys="response"`, only at positions whose next token belongs to the response. Documents
 longer than `max_tokens` are cut into consecutive pieces, each its own document, so that one
 forward never exceeds what the model (and memory) allows.
+
+Saved outputs (`dresd generate --save-outputs F.jsonl`) are such pairs with their exact token
+ids beside the text: `prompt_ids` (what the model was fed) and `token_ids` (what it said), and
+the fingerprints of the model and tokenizer that made them (`output_row`). A row with ids is
+taken as those ids, not re-tokenized: re-tokenizing decoded text need not give back the ids the
+model produced, and those are what it will produce again. Ids are only meaningful to the
+tokenizer (and, for an in-distribution store, the model) that made them, so a row made by
+another one is refused (`check_token_ids_origin`).
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ class Document:
     response: str  # the text that follows the prompt (or the whole text for plain documents)
     prompt: str | None = None  # None for plain text and source files
     source: str = ""  # where it came from, "path:line" for JSON Lines
+    # Saved outputs only: the exact ids (prompt as fed, response as generated) and who made them
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    made_by: dict | None = None  # model name, model_fingerprint, tokenizer_fingerprint
 
 
 @dataclass
@@ -169,8 +181,65 @@ def read_jsonl_documents(
                 raise CorpusError(f"{path}:{number}: field {name!r} is not text")
         documents.append(Document(response=row[response_field],
                                   prompt=row[prompt_field] if prompt_field else None,
-                                  source=f"{path}:{number}"))
+                                  source=f"{path}:{number}", **_saved_ids(row, path, number)))
     return documents
+
+
+OUTPUT_ID_FIELDS = ("prompt_ids", "token_ids", "model", "model_fingerprint",
+                    "tokenizer_fingerprint")
+
+
+def output_row(prompt: str, response: str, prompt_ids: Sequence[int], token_ids: Sequence[int],
+               made_by: dict) -> dict:
+    """One saved output, a corpus row: text fields `prompt` and `response` (so any build reads
+    it as a pair) and the exact ids with `made_by`'s `model`, `model_fingerprint` and
+    `tokenizer_fingerprint`."""
+    return {"prompt": prompt, "response": response, "prompt_ids": [int(t) for t in prompt_ids],
+            "token_ids": [int(t) for t in token_ids],
+            **{key: made_by[key] for key in OUTPUT_ID_FIELDS[2:]}}
+
+
+def save_output(path: Path, row: dict) -> None:
+    """Append one row to a JSON Lines file (each row whole: one write, flushed)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _saved_ids(row: dict, path: Path, number: int) -> dict:
+    """The Document fields of a saved output's ids (none for a plain pair)."""
+    if "token_ids" not in row:
+        return {}
+    missing = [name for name in OUTPUT_ID_FIELDS if name not in row]
+    ids = [row.get("prompt_ids"), row["token_ids"]]
+    if missing or not all(isinstance(x, list) and all(type(t) is int and t >= 0 for t in x)
+                          for x in ids):
+        raise CorpusError(f"{path}:{number}: a row with token_ids needs the fields "
+                          f"{', '.join(OUTPUT_ID_FIELDS)} (as `dresd generate --save-outputs` "
+                          "writes them), ids as lists of non-negative integers")
+    return {"prompt_ids": ids[0], "response_ids": ids[1],
+            "made_by": {name: row[name] for name in OUTPUT_ID_FIELDS[2:]}}
+
+
+def check_token_ids_origin(documents: Sequence[Document], tokenizer: PreTrainedTokenizerBase,
+                           model_fingerprint: str | None) -> None:
+    """Refuse saved outputs made by another tokenizer (their ids would be garbage here) or,
+    when `model_fingerprint` is given, by another model (they are not this model's outputs)."""
+    from dresd.datastore.format import tokenizer_fingerprint  # format imports models: no cycle
+
+    expected: dict[str, str | None] | None = None  # computed once, if any row has ids
+    for doc in documents:
+        if doc.made_by is None:
+            continue
+        if expected is None:
+            expected = {"tokenizer": tokenizer_fingerprint(tokenizer), "model": model_fingerprint}
+        for part, want in expected.items():
+            got = doc.made_by[f"{part}_fingerprint"]
+            if want is not None and got != want:
+                raise CorpusError(
+                    f"{doc.source}: its token ids were made by {doc.made_by['model']!r} "
+                    f"({part} fingerprint {got[:12]}), but this datastore's {part} has "
+                    f"fingerprint {want[:12]}: they are not this model's outputs. To use the "
+                    f"text only, drop the fields {', '.join(OUTPUT_ID_FIELDS)}")
 
 
 def _read_text(path: Path) -> str:
@@ -213,6 +282,10 @@ def tokenize_document(
 ) -> TokenizedDocument:
     """Token ids of a document formatted as generation formats it, and where keys start."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if doc.response_ids is not None:  # a saved output: the ids the model saw and produced
+        ids = doc.prompt_ids + doc.response_ids
+        key_start = max(0, len(doc.prompt_ids) - 1) if keys == "response" else 0
+        return TokenizedDocument(ids, key_start)
     if doc.prompt is None:
         return TokenizedDocument(tokenizer(doc.response, add_special_tokens=False)["input_ids"])
     prompt_ids = format_prompt_ids(tokenizer, doc.prompt, fmt)
@@ -247,11 +320,16 @@ def split_document(doc: TokenizedDocument, max_tokens: int) -> list[TokenizedDoc
 
 
 def tokenize_corpus(
-    tokenizer: PreTrainedTokenizerBase, spec: CorpusSpec
+    tokenizer: PreTrainedTokenizerBase, spec: CorpusSpec, model_fingerprint: str | None = None
 ) -> list[TokenizedDocument]:
-    """Every document of the corpus tokenized and cut to `spec.max_tokens`; at least one key."""
+    """Every document of the corpus tokenized and cut to `spec.max_tokens`; at least one key.
+
+    Saved outputs keep their ids; they must come from this tokenizer and, if
+    `model_fingerprint` is given, from that model."""
+    documents = read_documents(spec)
+    check_token_ids_origin(documents, tokenizer, model_fingerprint)
     tokenized = []
-    for doc in read_documents(spec):
+    for doc in documents:
         whole = tokenize_document(tokenizer, doc, spec.format, spec.keys)
         tokenized.extend(p for p in split_document(whole, spec.max_tokens) if p.num_keys > 0)
     if not tokenized:

@@ -155,6 +155,22 @@ def hidden_states(model: torch.nn.Module, docs: list[TokenizedDocument],
         start = end
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id right-padded batches are filled with (masked out: any id would do)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def key_states(model: torch.nn.Module, docs: list[TokenizedDocument], starts: np.ndarray,
+               batch_tokens: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Raw fp16 hidden states [keys, d] at the key positions of `docs` (sorted by length), and
+    each key's position in the token stream (`starts[i]`: where docs[i] starts in it)."""
+    states, offsets = [], []
+    for i, h in hidden_states(model, docs, batch_tokens, pad_id):
+        states.append(h.half().numpy())
+        offsets.append(starts[i] + np.arange(docs[i].key_start, len(docs[i].ids) - 1))
+    return np.concatenate(states), np.concatenate(offsets)
+
+
 def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
                 config: DenseBuildConfig | None = None, progress: bool = True,
                 with_sparse: bool = False) -> Path:
@@ -168,7 +184,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     context = getattr(target.model.config, "max_position_embeddings", None)
     if context and spec.max_tokens > context:  # one forward never exceeds the model's context
         spec = replace(spec, max_tokens=context)
-    docs = tokenize_corpus(target.tokenizer, spec)
+    docs = tokenize_corpus(target.tokenizer, spec, model_fingerprint(target.model))
     total_keys = sum(d.num_keys for d in docs)
     if total_keys <= config.pca_dim:
         raise CorpusError(f"the corpus has {total_keys} key positions; a PCA to "
@@ -202,7 +218,7 @@ class _DenseBuild:
         self.chunks = plan_chunks(docs, config)
         self.token_dtype = np.uint16 if self.model.config.vocab_size <= 2**16 else np.uint32
         tokenizer = target.tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_token_id(tokenizer)
         self.plan = {"kind": self.kind, "model": target.name,
                      "model_fingerprint": model_fingerprint(self.model),
                      "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
@@ -274,15 +290,10 @@ class _DenseBuild:
     def forward_chunk(self, number: int, transform: KeyTransform | None) -> None:
         """Hidden states of one chunk's key positions: keys if `transform`, else raw states."""
         chunk = self.chunks[number]
-        chunk_docs = [self.docs[n] for n in chunk.docs]
-        states, offsets = [], []
-        for i, h in hidden_states(self.model, chunk_docs, self.config.batch_tokens, self.pad_id):
-            doc = chunk_docs[i]
-            states.append(h.half().numpy())
-            positions = np.arange(doc.key_start, len(doc.ids) - 1)
-            offsets.append(self.doc_starts[chunk.docs[i]] + positions)
-        raw = np.concatenate(states)
-        save_npy_atomic(self.build.chunk_path(number, "offsets.npy"), np.concatenate(offsets))
+        raw, offsets = key_states(self.model, [self.docs[n] for n in chunk.docs],
+                                  self.doc_starts[chunk.docs], self.config.batch_tokens,
+                                  self.pad_id)
+        save_npy_atomic(self.build.chunk_path(number, "offsets.npy"), offsets)
         if transform is None or self.config.keep_states:  # fit chunks wait for the transform
             save_npy_atomic(self._raw_path(number), raw)
         if transform is not None:

@@ -80,6 +80,9 @@ def format_description(f: dict) -> str:
                      f"{sp['distinct_ids']:,} distinct token ids as {sp['symbol_bytes']}-byte "
                      "symbols")
     lines.append("  sources: " + "; ".join(f["sources"]))
+    for grown in s.get("appends", []):  # `dresd build --append`
+        lines.append(f"  appended {grown['date']}: {grown['documents']:,} documents, "
+                     f"{grown['tokens']:,} tokens, {grown['entries']:,} entries")
     lines.append(f"  size: {f['bytes']:,} bytes = {f['bytes_per_corpus_token_total']:.1f} bytes "
                  "per corpus token:")
     for component, value in f["bytes_per_corpus_token"].items():

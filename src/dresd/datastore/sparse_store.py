@@ -70,7 +70,7 @@ def build_sparse_datastore(target: Target, spec: CorpusSpec, out: str | Path,
     the same plan resumes there by building the suffix array again.
     """
     model, tokenizer = target.model, target.tokenizer
-    docs = tokenize_corpus(tokenizer, spec)
+    docs = tokenize_corpus(tokenizer, spec, model_fingerprint(model))
     fingerprints = {"model": target.name, "model_fingerprint": model_fingerprint(model),
                     "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     spec_fields = {k: v for k, v in asdict(spec).items() if k != "sources"}

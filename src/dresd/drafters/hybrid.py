@@ -28,6 +28,11 @@ machine's verify-cost curve. At every step this drafter:
    or not: accepted if its token is the one that came. The table persists across generations
    of one drafter, so a bench or a server calibrates it on its own workload.
 
+Learning from finished outputs (`learn`): by default SuffixDecoding's global trie keeps them, as
+`--method suffix` does; with `learn=True` (`--learn`) REST and DReSD also keep them in their
+in-memory side stores (`learned.py`), so a request that comes back drafts its earlier output
+from every source; `learn=False` (`--no-learn`): no source keeps anything.
+
 The priors are deliberately mild guesses (agreement between sources and neighbours helps, depth
 hurts); `prior_strength` = 4 observations, so a few steps of this workload override them.
 """
@@ -193,6 +198,9 @@ class HybridDrafter:
     prior: str | None = None  # a fitted prior (JSON of AcceptanceTable.save); None: a guess
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
     cost: dict[int, float] | None = None
+    # finished outputs kept: None (default) by suffix only; True by suffix, REST and DReSD;
+    # False by none
+    learn: bool | None = None
     name: str = "hybrid"
     table: AcceptanceTable = field(init=False, repr=False)
     sources: dict = field(init=False, repr=False)
@@ -205,15 +213,18 @@ class HybridDrafter:
         self.table = AcceptanceTable(self.prior_strength)
         if self.prior is not None:
             self.table.load_prior(self.prior)
+        suffix_learns = True if self.learn is None else bool(self.learn)
+        stores_learn = bool(self.learn)  # REST's and DReSD's side stores: only when asked
         self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3),
-                        "suffix": SuffixDrafter(max_tree_nodes=16)}
+                        "suffix": SuffixDrafter(max_tree_nodes=16, learn=suffix_learns)}
         if self.datastore is not None:
             parts = kinds(read_manifest(self.datastore))
             if "sparse" in parts:
                 self.sources["rest"] = RestDrafter(self.datastore, draft_len=self.draft_len,
-                                                   max_tree_nodes=16)
+                                                   max_tree_nodes=16, learn=stores_learn)
             if "dense" in parts:
-                self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len)
+                self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len,
+                                                     learn=stores_learn)
 
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""
@@ -254,7 +265,7 @@ class HybridDrafter:
         return best_budget(ranked_reach, self.cost)
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
-        """A generation finished: sources that learn from outputs (suffix) take it."""
+        """A generation finished: the sources that learn from outputs (see `learn`) take it."""
         for source in self.sources.values():
             if hasattr(source, "observe"):
                 source.observe(prompt, output, hidden_states)

@@ -17,7 +17,7 @@ from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 def add_serve_command(commands: argparse._SubParsersAction) -> None:
     """The `serve` subcommand, added to the `dresd` command's parser."""
-    from dresd.cli import METHODS, _add_model_options
+    from dresd.cli import METHODS, _add_model_options, add_save_outputs_option
 
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs pip install 'dresd[serve]')",
@@ -37,6 +37,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
                        help="the model's name in the API (default: --model, or "
                             f"{DEFAULT_MODEL_NAME} for the default model)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    add_save_outputs_option(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -76,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               methods)
     draft_model = {"model": options.pop("model")} if "model" in options else None
     drafters, names = load_drafters(target, args.datastore, options, draft_model)
-    engine = Engine(target, drafters, defaults, args.method, names, args.max_queue)
+    engine = Engine(target, drafters, defaults, args.method, names, args.max_queue,
+                    output_saver(target, args.save_outputs))
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL
@@ -85,3 +87,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn's own access log is off: RequestLog writes one line per request instead.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
+
+
+def output_saver(target, path: Path | None):
+    """What the engine calls after each generation: with --save-outputs, append the prompt
+    and output as a corpus row (`dresd build --append` adds them to a datastore)."""
+    if path is None:
+        return None
+    from dresd.cli import output_origin
+    from dresd.corpus import output_row, save_output
+
+    made_by = output_origin(target)
+
+    def save(prompt_ids: list[int], result) -> None:
+        decode = target.tokenizer.decode
+        save_output(path, output_row(decode(prompt_ids), decode(result.token_ids,
+                                                                 skip_special_tokens=True),
+                                     prompt_ids, result.token_ids, made_by))
+
+    return save

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class Engine:
         default_method: str,
         datastores: list[str],
         max_queue: int = 64,
+        on_finished: Callable[[list[int], GenerationResult], None] | None = None,
     ) -> None:
         self.target = target
         # (method, datastore name or None) -> the drafter built from the command line's options
@@ -121,6 +123,7 @@ class Engine:
         self.running = 0  # generations in progress: 0 or 1
         self.current: Job | None = None  # the job generating now
         self._worker: threading.Thread | None = None
+        self.on_finished = on_finished  # called with (prompt ids, result) after each generation
 
     # -- building a request's plan --------------------------------------------------------
 
@@ -213,7 +216,10 @@ class Engine:
                 continue
             self.current, self.running = job, 1
             try:
-                outcome = ("done", self.generate(job))
+                result = self.generate(job)
+                if self.on_finished is not None:
+                    self.on_finished(job.prompt_ids, result)
+                outcome = ("done", result)
             except Exception as err:  # noqa: BLE001 - reported to that request; the worker lives on
                 outcome = ("error", err)
             # Idle before the reply goes out: a client holding its response sees the server idle.
