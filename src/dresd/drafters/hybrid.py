@@ -145,11 +145,14 @@ class CandidateTree:
             self.votes[child] += repeats
             node = child
 
-    def cell(self, node: int) -> Cell:
+    def first_child(self, node: int) -> int:
+        """The child most candidates pass through (the earliest on ties); -1 if none."""
+        kids = self.children[node].values()
+        return max(kids, key=lambda v: (self.votes[v], -v)) if kids else -1
+
+    def cell(self, node: int, first: bool) -> Cell:
         sources = self.sources[node]
         names = tuple(sorted(sources)) if len(sources) > 1 else tuple(sources)
-        siblings = self.children[self.parents[node]].values()
-        first = node == max(siblings, key=lambda v: (self.votes[v], -v))  # most votes, earliest
         return names, support_bucket(self.support[node]), min(self.depths[node], 4), first
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
@@ -158,9 +161,10 @@ class CandidateTree:
         reach = [1.0] * len(self.tokens)
         for node in range(len(self.tokens)):  # parents come before children
             kids = list(self.children[node].values())
+            top = self.first_child(node)
             p = []
             for kid in kids:
-                cell = self.cell(kid)
+                cell = self.cell(kid, kid == top)
                 if cell not in by_cell:
                     by_cell[cell] = table.probability(cell)
                 p.append(by_cell[cell])
@@ -281,8 +285,9 @@ class HybridDrafter:
             return  # a new generation: the last step's candidates are not comparable
         node = 0
         for token in token_ids[length:].tolist():
+            top = tree.first_child(node)
             for child in tree.children[node].values():
-                self.table.observe(tree.cell(child), tree.tokens[child] == token)
+                self.table.observe(tree.cell(child, child == top), tree.tokens[child] == token)
             node = tree.children[node].get(token, -1)
             if node < 0:
                 return
