@@ -64,7 +64,8 @@ def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
     for draft in ([1, 2, 3], [1, 4], [5], [6], [7]):
         tree.add(draft, "pld")
     table = AcceptanceTable()
-    for cell in {tree.cell(v) for v in range(1, len(tree.tokens))}:
+    nodes = range(1, len(tree.tokens))
+    for cell in {tree.cell(v, v == tree.first_child(tree.parents[v])) for v in nodes}:
         for _ in range(50):
             table.observe(cell, True)  # p near 1: four siblings at the root must share 1
     reach = tree.reach_probabilities(table)
