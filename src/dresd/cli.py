@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import sys
@@ -38,13 +39,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, FileNotFoundError,
-            ImportError) as err:
+    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, ImportError) as err:
         print(f"dresd: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a missing file, a full disk, a file-size limit, no permission
+        print(f"dresd: error: {os_error_message(err, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dresd: interrupted", file=sys.stderr)
         return 130
+
+
+def os_error_message(err: OSError, args: argparse.Namespace) -> str:
+    """One line for an operating-system error, with what to do about an unfinished output."""
+    message = f"{err.strerror or err}: {err.filename}" if err.filename else str(err)
+    out = getattr(args, "out", None)
+    if args.command == "build" and out is not None:
+        from dresd.datastore.format import partial_dir
+
+        message += (f" (nothing was written to {out}; the finished part of the build stays in "
+                    f"{partial_dir(out)}: fix the cause and run the same build to resume)")
+    elif getattr(args, "corpus_command", None) == "regenerate" and out is not None:
+        message += (f" (the responses done so far stay in {out}.partial: fix the cause and run "
+                    "the same command to resume)")
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="what a datastore holds")
     inspect.add_argument("datastore", type=Path)
-    inspect.add_argument("--verify", action="store_true", help="check every file's sha256")
+    inspect.add_argument("--verify", action="store_true",
+                         help="hash every file, also the large ones the open-time check leaves "
+                              "to sizes and headers")
     inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
     inspect.set_defaults(func=cmd_inspect)
     return parser
@@ -243,6 +263,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(args, name)):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, "
+                            f"got {getattr(args, name)}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
@@ -305,6 +329,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def check_datastore_arg(args: argparse.Namespace) -> None:
+    """A missing or damaged --datastore is refused before the model loads (`verify_store`)."""
+    if args.datastore is None:
+        return
+    from dresd.datastore.format import open_manifest
+
+    if not args.datastore.is_dir():
+        raise UserError(f"datastore folder {args.datastore} does not exist")
+    open_manifest(args.datastore)
+
+
 def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
     """The JSON object printed for one prompt."""
     figures = summarize([result])
@@ -336,6 +371,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                          "__dataclass_fields__", {}):
         raise UserError(f"--learn applies to suffix, rest and dresd, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
+    check_datastore_arg(args)
     for prompt in prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")
@@ -427,6 +463,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
+    check_datastore_arg(args)
     target = load_target_from_args(args)
     options = drafter_options(args, target, [method for _, method, _ in specs])
     runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
@@ -538,9 +575,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dresd.datastore.inspect import describe, format_description
 
-    figures = describe(args.datastore, verify=args.verify)
+    figures = describe(args.datastore, verify=args.verify)  # a damaged store is an error
     print(json.dumps(figures, indent=2) if args.json else format_description(figures))
-    return 0 if not figures.get("corrupt_files") else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ post-norm state that the verify pass hands the drafter at generation time.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -48,7 +49,7 @@ from dresd.datastore.format import (
     Manifest,
     check_compatible,
     model_fingerprint,
-    read_manifest,
+    open_manifest,
     save_npy_atomic,
     tokenizer_fingerprint,
 )
@@ -210,7 +211,12 @@ class _DenseBuild:
         self.build = AtomicBuild(out)
 
     def run(self) -> Path:
-        self.build.start(self.plan)
+        with self.build.start(self.plan):  # locked until the store is in place (or we fail)
+            if self.build.finished:
+                return self.build.out
+            return self._run()
+
+    def _run(self) -> Path:
         if self.progress and self.build.resumed:
             print(f"dresd: resuming the unfinished build in {self.build.dir}", file=sys.stderr)
         bar = tqdm(total=int(self.doc_starts[-1]), unit="tok", unit_scale=True,
@@ -291,27 +297,34 @@ class _DenseBuild:
         for number in fit_chunks:
             stats.add(np.load(self._raw_path(number)))
         transform = stats.fit(self.config.pca_dim)
-        tmp = path.with_name("transform.tmp.npz")
-        transform.save(tmp)
-        tmp.replace(path)
+        transform.save(path)
         return transform
 
     def join_chunks(self) -> tuple[Path, np.ndarray]:
-        """All chunks' keys into one fp16 `keys.npy` (written in place, memory-mapped) and
-        their stream offsets into one array, in chunk order: entry ids follow that order."""
+        """All chunks' keys into one fp16 `keys.npy` and their stream offsets into one array,
+        in chunk order: entry ids follow that order. The keys are written sequentially (not
+        through a memory map, where a full disk is a SIGBUS rather than an error) through a
+        temporary file and a rename."""
         keys_path = self.build.dir / key_index.KEYS_FILE
-        keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=np.float16,
-                                         shape=(self.num_keys, self.config.pca_dim))
         wide = self.doc_starts[-1] >= 2**32
         offsets = np.empty(self.num_keys, dtype=np.int64 if wide else np.uint32)
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)),
+                  "fortran_order": False, "shape": (self.num_keys, self.config.pca_dim)}
+        tmp = keys_path.with_name(keys_path.name + ".tmp")
         row = 0
-        for number in range(len(self.chunks)):
-            chunk_keys = np.load(self.build.chunk_path(number, "keys.npy"))
-            keys[row : row + len(chunk_keys)] = chunk_keys
-            offsets[row : row + len(chunk_keys)] = np.load(
-                self.build.chunk_path(number, "offsets.npy"))
-            row += len(chunk_keys)
-        keys.flush()
+        with open(tmp, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, header)
+            for number in range(len(self.chunks)):
+                chunk_keys = np.load(self.build.chunk_path(number, "keys.npy"))
+                f.write(np.ascontiguousarray(chunk_keys, dtype=np.float16).tobytes())
+                offsets[row : row + len(chunk_keys)] = np.load(
+                    self.build.chunk_path(number, "offsets.npy"))
+                row += len(chunk_keys)
+            f.flush()
+            os.fsync(f.fileno())
+        if row != self.num_keys:
+            raise RuntimeError(f"the chunks hold {row} keys, the plan {self.num_keys}")
+        os.replace(tmp, keys_path)
         return keys_path, offsets
 
     def write_values(self, offsets: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -347,7 +360,7 @@ class DenseDatastore:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.manifest = read_manifest(self.folder)
+        self.manifest = open_manifest(self.folder)  # checked against its files first
         if KIND not in kinds(self.manifest):
             raise ValueError(f"{self.folder} is a {self.manifest.kind} datastore, not a dense one")
         self.settings = self.manifest.settings
