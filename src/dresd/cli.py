@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -32,6 +33,28 @@ BUILD_KINDS = ["dense", "sparse", "dense,sparse"]
 
 class UserError(Exception):
     """Bad input: reported as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one `dresd: error:` line (exit 2) like every other."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"dresd: error: {message} (see `{self.prog} --help`)\n")
+
+
+def finite_float(text: str) -> float:
+    """An option's float; NaN and infinities are refused (they slip past every range check)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +89,7 @@ def os_error_message(err: OSError, args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dresd", description="Lossless speculative decoding by dense retrieval (DReSD)."
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -130,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens stored after each position (default 20)")
     build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
                        help="auto: exact search for small stores, FAISS IVF above")
-    build.add_argument("--recall-target", type=float, default=0.9,
+    build.add_argument("--recall-target", type=finite_float, default=0.9,
                        help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
     build.add_argument("--chunk-tokens", type=int, default=65_536,
                        help="corpus tokens per resumable chunk")
@@ -156,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--format", choices=FORMATS, default="chat")
     regen.add_argument("--max-new-tokens", type=int, default=256)
     regen.add_argument("--batch-size", type=int, default=8)
-    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--temperature", type=finite_float, default=0.0,
+                       help="0: greedy (default)")
+    regen.add_argument("--seed", type=seed_int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(regen)
@@ -217,10 +241,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize prompts as raw text instead of a chat turn")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(p)
@@ -250,11 +274,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "dresd: off)")
     p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
                    help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
-    p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
+    p.add_argument("--suffix-spec-factor", type=finite_float, default=None, dest="max_spec_factor",
                    help="suffix: tokens drafted per matched token (default 1.0)")
-    p.add_argument("--suffix-spec-offset", type=float, default=None, dest="max_spec_offset",
+    p.add_argument("--suffix-spec-offset", type=finite_float, default=None, dest="max_spec_offset",
                    help="suffix: tokens added to that budget (default 0)")
-    p.add_argument("--suffix-min-prob", type=float, default=None, dest="min_token_prob",
+    p.add_argument("--suffix-min-prob", type=finite_float, default=None, dest="min_token_prob",
                    help="suffix: least empirical probability of a drafted token (default 0.1)")
     p.add_argument("--suffix-cache-requests", type=int, default=None, dest="max_cached_requests",
                    help="--learn: outputs kept, oldest evicted first (default 1000)")
@@ -263,10 +287,6 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
-    for name in ("temperature", "top_p"):
-        if not math.isfinite(getattr(args, name)):
-            raise UserError(f"--{name.replace('_', '-')} must be a finite number, "
-                            f"got {getattr(args, name)}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
@@ -318,11 +338,16 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist")
     if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8")]
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise UserError(f"prompt file {path} is not UTF-8 text ({err})") from err
     prompts = []
     for number, row in iter_jsonl(path):
         if args.prompt_field not in row:
             raise UserError(f"{path}:{number}: no {args.prompt_field!r} field")
+        if not isinstance(row[args.prompt_field], str):
+            raise UserError(f"{path}:{number}: field {args.prompt_field!r} is not text")
         prompts.append(row[args.prompt_field])
     if not prompts:
         raise UserError(f"prompt file {path} holds no prompts")
@@ -427,6 +452,8 @@ def parse_methods(text: str) -> list[tuple[str, str, dict]]:
                 raise UserError(f"--methods {label}: {item!r} is not OPTION=VALUE with an option "
                                 f"of {method} ({', '.join(known) or 'none'})")
             options[key] = parse_number(value)
+            if not isinstance(options[key], int | float) or not math.isfinite(options[key]):
+                raise UserError(f"--methods {label}: {key} must be a number, got {value!r}")
         if label in seen:
             raise UserError(f"--methods lists {label} twice")
         seen.add(label)
@@ -459,8 +486,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     specs = parse_methods(args.methods)
     specs = [(AR, AR, {})] + [spec for spec in specs if spec[0] != AR]
     methods = [label for label, _, _ in specs]
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    check_limit(args)
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
     check_datastore_arg(args)
@@ -526,7 +552,13 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_limit(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+
+
 def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
+    check_limit(args)
     return CorpusSpec(sources=args.corpus, prompt_field=args.prompt_field or None,
                       response_field=args.response_field, format=args.format, keys=args.keys,
                       tree_glob=args.glob, max_tokens=args.max_doc_tokens, limit=args.limit)
@@ -538,6 +570,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     set_threads(args)
     spec = corpus_spec_from_args(args)
+    if not 0 < args.recall_target <= 1:
+        raise UserError(f"--recall-target must be in (0, 1], got {args.recall_target}")
     if args.kind == "sparse":  # no forward pass: the dense options do not apply
         out = build_sparse_datastore(load_target(args.model, prepack=False), spec, args.out,
                                      progress=not args.quiet)
@@ -559,6 +593,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     set_threads(args)
     if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
         raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+    check_limit(args)
     if not args.corpus.is_file():
         raise UserError(f"corpus file {args.corpus} does not exist")
     config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
