@@ -85,7 +85,7 @@ def test_manifest_describes_the_store(datastore, default_target):
     assert manifest.num_entries == manifest.num_corpus_tokens - len(PROMPTS)  # all but the last
     assert manifest.settings["pca_dim"] == 16 and manifest.settings["index"] == "exact"
     figures = describe(datastore, verify=True)
-    assert figures["corrupt_files"] == []
+    assert figures["checksums"] == "every file's sha256 verified"
     assert figures["bytes_per_corpus_token_total"] == pytest.approx(
         sum(figures["bytes_per_corpus_token"].values()))
     # No duplicated values: the stream holds each corpus token once (2 bytes, uint16), plus
@@ -142,7 +142,8 @@ def test_inspect_finds_a_corrupt_file(datastore, tmp_path):
     data = bytearray(stream.read_bytes())
     data[-1] ^= 0xFF
     stream.write_bytes(bytes(data))
-    assert describe(copy, verify=True)["corrupt_files"] == ["stream.npy"]
+    with pytest.raises(DatastoreError, match=r"is damaged: stream\.npy \(sha256 differs"):
+        describe(copy, verify=True)
 
 
 def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target):

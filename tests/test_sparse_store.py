@@ -17,7 +17,7 @@ from dresd.cli import main
 from dresd.corpus import CorpusSpec, tokenize_corpus
 from dresd.datastore import sparse_store
 from dresd.datastore.dense import DenseBuildConfig, DenseDatastore, build_dense
-from dresd.datastore.format import DatastoreError, partial_dir, read_manifest, verify_files
+from dresd.datastore.format import DatastoreError, partial_dir, read_manifest, verify_store
 from dresd.datastore.inspect import describe, format_description
 from dresd.datastore.sparse import build_sparse
 from dresd.datastore.sparse_store import build_sparse_datastore
@@ -55,7 +55,7 @@ def test_sparse_build_holds_the_corpus_documents(tmp_path, source_tree, default_
     assert not partial_dir(out).exists()
     manifest = read_manifest(out)
     assert manifest.kind == "sparse"
-    assert verify_files(out, manifest) == []
+    verify_store(out, manifest, full=True)  # raises if a file does not match
     assert sorted(manifest.files) == [f"sparse/{n}" for n in sorted(sparse_store.FILES)]
 
     drafter = RestDrafter(str(out))
@@ -64,7 +64,7 @@ def test_sparse_build_holds_the_corpus_documents(tmp_path, source_tree, default_
     assert manifest.num_corpus_tokens == sum(len(d) for d in expected)
 
     figures = describe(out, verify=True)
-    assert figures["corrupt_files"] == []
+    assert figures["checksums"] == "every file's sha256 verified"
     assert figures["bytes_per_corpus_token"]["sparse: suffix array"] == pytest.approx(
         4 * (manifest.num_corpus_tokens + manifest.num_documents) / manifest.num_corpus_tokens,
         rel=0.01)
@@ -124,7 +124,7 @@ def test_failed_build_leaves_no_store_and_resumes(tmp_path, source_tree, default
     monkeypatch.undo()
     build_sparse_datastore(default_target, spec, out, progress=False)  # the same plan: resumes
     assert out.exists() and not partial_dir(out).exists()
-    assert verify_files(out, read_manifest(out)) == []
+    verify_store(out, read_manifest(out), full=True)
 
 
 def test_dense_and_sparse_from_one_pass(tmp_path, default_target):
@@ -135,7 +135,7 @@ def test_dense_and_sparse_from_one_pass(tmp_path, default_target):
                       DenseBuildConfig(pca_dim=8, index="exact"), progress=False, with_sparse=True)
     manifest = read_manifest(out)
     assert manifest.kind == "dense,sparse"
-    assert verify_files(out, manifest) == []
+    verify_store(out, manifest, full=True)  # raises if a file does not match
     dense = DenseDatastore(out)
     sparse = RestDrafter(str(out)).datastore
     # The two parts index the same documents: the dense token stream, cut at its bounds.

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -42,22 +44,61 @@ class UserError(Exception):
     """Bad input: reported as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors are one `dresd: error:` line (exit 2) like every other."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"dresd: error: {message} (see `{self.prog} --help`)\n")
+
+
+def finite_float(text: str) -> float:
+    """An option's float; NaN and infinities are refused (they slip past every range check)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, FileNotFoundError,
-            ImportError) as err:
+    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, ImportError) as err:
         print(f"dresd: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a missing file, a full disk, a file-size limit, no permission
+        print(f"dresd: error: {os_error_message(err, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dresd: interrupted", file=sys.stderr)
         return 130
 
 
+def os_error_message(err: OSError, args: argparse.Namespace) -> str:
+    """One line for an operating-system error, with what to do about an unfinished output."""
+    message = f"{err.strerror or err}: {err.filename}" if err.filename else str(err)
+    out = getattr(args, "out", None)
+    if args.command == "build" and out is not None:
+        from dresd.datastore.format import partial_dir
+
+        message += (f" (nothing was written to {out}; the finished part of the build stays in "
+                    f"{partial_dir(out)}: fix the cause and run the same build to resume)")
+    elif getattr(args, "corpus_command", None) == "regenerate" and out is not None:
+        message += (f" (the responses done so far stay in {out}.partial: fix the cause and run "
+                    "the same command to resume)")
+    return message
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dresd", description="Lossless speculative decoding by dense retrieval (DReSD)."
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -129,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens stored after each position (default 20)")
     build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
                        help="auto: exact search for small stores, FAISS IVF above")
-    build.add_argument("--recall-target", type=float, default=0.9,
+    build.add_argument("--recall-target", type=finite_float, default=0.9,
                        help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
     build.add_argument("--chunk-tokens", type=int, default=65_536,
                        help="corpus tokens per resumable chunk")
@@ -157,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--format", choices=FORMATS, default="chat")
     regen.add_argument("--max-new-tokens", type=int, default=256)
     regen.add_argument("--batch-size", type=int, default=8)
-    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    regen.add_argument("--seed", type=int, default=0)
+    regen.add_argument("--temperature", type=finite_float, default=0.0,
+                       help="0: greedy (default)")
+    regen.add_argument("--seed", type=seed_int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(regen)
@@ -168,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="what a datastore holds")
     inspect.add_argument("datastore", type=Path)
-    inspect.add_argument("--verify", action="store_true", help="check every file's sha256")
+    inspect.add_argument("--verify", action="store_true",
+                         help="hash every file, also the large ones the open-time check leaves "
+                              "to sizes and headers")
     inspect.add_argument("--json", action="store_true", help="print the figures as JSON")
     inspect.set_defaults(func=cmd_inspect)
     return parser
@@ -232,10 +276,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize prompts as raw text instead of a chat turn")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="PyTorch threads")
     _add_dtype_option(p)
@@ -267,11 +311,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "--learn adds REST's and DReSD's)")
     p.add_argument("--suffix-max-depth", type=int, default=None, dest="max_depth",
                    help="suffix: depth of the suffix tries, match + draft tokens (default 24)")
-    p.add_argument("--suffix-spec-factor", type=float, default=None, dest="max_spec_factor",
+    p.add_argument("--suffix-spec-factor", type=finite_float, default=None, dest="max_spec_factor",
                    help="suffix: tokens drafted per matched token (default 1.0)")
-    p.add_argument("--suffix-spec-offset", type=float, default=None, dest="max_spec_offset",
+    p.add_argument("--suffix-spec-offset", type=finite_float, default=None, dest="max_spec_offset",
                    help="suffix: tokens added to that budget (default 0)")
-    p.add_argument("--suffix-min-prob", type=float, default=None, dest="min_token_prob",
+    p.add_argument("--suffix-min-prob", type=finite_float, default=None, dest="min_token_prob",
                    help="suffix: least empirical probability of a drafted token (default 0.1)")
     p.add_argument("--suffix-cache-requests", type=int, default=None, dest="max_cached_requests",
                    help="--learn: outputs kept, oldest evicted first (default 1000)")
@@ -331,15 +375,31 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist")
     if path.suffix != ".jsonl":
-        return [path.read_text(encoding="utf-8")]
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise UserError(f"prompt file {path} is not UTF-8 text ({err})") from err
     prompts = []
     for number, row in iter_jsonl(path):
         if args.prompt_field not in row:
             raise UserError(f"{path}:{number}: no {args.prompt_field!r} field")
+        if not isinstance(row[args.prompt_field], str):
+            raise UserError(f"{path}:{number}: field {args.prompt_field!r} is not text")
         prompts.append(row[args.prompt_field])
     if not prompts:
         raise UserError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def check_datastore_arg(args: argparse.Namespace) -> None:
+    """A missing or damaged --datastore is refused before the model loads (`verify_store`)."""
+    if args.datastore is None:
+        return
+    from dresd.datastore.format import open_manifest
+
+    if not args.datastore.is_dir():
+        raise UserError(f"datastore folder {args.datastore} does not exist")
+    open_manifest(args.datastore)
 
 
 def result_record(runner: MethodRunner, result: GenerationResult) -> dict:
@@ -374,6 +434,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                          "__dataclass_fields__", {}):
         raise UserError(f"--learn applies to suffix, rest, dresd and hybrid, not {args.method}")
     prompts = read_prompts(args)  # before loading the model: bad input fails fast
+    check_datastore_arg(args)
     for prompt in prompts:
         if not prompt.strip():
             raise UserError("the prompt is empty")
@@ -442,6 +503,8 @@ def parse_methods(text: str) -> list[tuple[str, str, dict]]:
                 raise UserError(f"--methods {label}: {item!r} is not OPTION=VALUE with an option "
                                 f"of {method} ({', '.join(known) or 'none'})")
             options[key] = parse_number(value)
+            if not isinstance(options[key], int | float) or not math.isfinite(options[key]):
+                raise UserError(f"--methods {label}: {key} must be a number, got {value!r}")
         if label in seen:
             raise UserError(f"--methods lists {label} twice")
         seen.add(label)
@@ -474,10 +537,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     specs = parse_methods(args.methods)
     specs = [(AR, AR, {})] + [spec for spec in specs if spec[0] != AR]
     methods = [label for label, _, _ in specs]
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    check_limit(args)
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
+    check_datastore_arg(args)
     target = load_target_from_args(args)
     options = drafter_options(args, target, [method for _, method, _ in specs])
     runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
@@ -541,7 +604,13 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_limit(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+
+
 def corpus_spec_from_args(args: argparse.Namespace) -> CorpusSpec:
+    check_limit(args)
     return CorpusSpec(sources=args.corpus, prompt_field=args.prompt_field or None,
                       response_field=args.response_field, format=args.format, keys=args.keys,
                       tree_glob=args.glob, max_tokens=args.max_doc_tokens, limit=args.limit)
@@ -553,6 +622,8 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     set_threads(args)
     spec = corpus_spec_from_args(args)
+    if not 0 < args.recall_target <= 1:
+        raise UserError(f"--recall-target must be in (0, 1], got {args.recall_target}")
     if args.append:
         return cmd_append(args, spec)
     args.kind = args.kind or "dense"
@@ -597,6 +668,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     set_threads(args)
     if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
         raise UserError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+    check_limit(args)
     if not args.corpus.is_file():
         raise UserError(f"corpus file {args.corpus} does not exist")
     config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
@@ -613,9 +685,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dresd.datastore.inspect import describe, format_description
 
-    figures = describe(args.datastore, verify=args.verify)
+    figures = describe(args.datastore, verify=args.verify)  # a damaged store is an error
     print(json.dumps(figures, indent=2) if args.json else format_description(figures))
-    return 0 if not figures.get("corrupt_files") else 1
+    return 0
 
 
 if __name__ == "__main__":

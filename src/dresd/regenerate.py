@@ -5,14 +5,19 @@ The paper's "ID" datastores, built from the target's own outputs, retrieve far b
 the references. `regenerate` writes one JSON line per prompt (the input row with the response
 field added or replaced), in input order, generating in batches (left-padded `generate`).
 
-Resumable: rows already in the output file are skipped, new ones appended, each batch flushed,
-so an interrupted run continues where it stopped. A half-written last line (a crash mid-write)
-is dropped and redone.
+The output appears complete or not at all, like a datastore: rows are appended to
+`OUT.partial`, each batch flushed to disk, and the file is renamed to `OUT` when every prompt
+has its response. Resumable: a rerun continues `OUT.partial` from its last whole batch (a
+half-written line or batch, left by a kill, is cut off and redone), so the batches, and with
+them the bytes written, are those of an uninterrupted run. One process writes at a time: an
+exclusive `flock` on `OUT.partial` refuses a second one (and dies with its holder).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +48,23 @@ def count_done(out: Path) -> int:
     data = out.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if len(complete) != len(data):
-        out.write_bytes(complete)
+        os.truncate(out, len(complete))  # in place: a kill now loses nothing already written
     return sum(1 for line in complete.splitlines() if line.strip())
+
+
+def keep_rows(path: Path, rows: int) -> None:
+    """Cut `path` after its first `rows` rows (blank lines do not count)."""
+    data, end, seen = path.read_bytes(), 0, 0
+    while seen < rows:
+        newline = data.index(b"\n", end)
+        seen += bool(data[end:newline].strip())
+        end = newline + 1
+    os.truncate(path, end)
+
+
+def partial_path(out: Path) -> Path:
+    """Where `regenerate` writes before the output is complete."""
+    return out.with_name(out.name + ".partial")
 
 
 def read_prompt_rows(corpus: Path, config: RegenerateConfig) -> list[dict]:
@@ -63,46 +83,91 @@ def read_prompt_rows(corpus: Path, config: RegenerateConfig) -> list[dict]:
 @torch.inference_mode()
 def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig,
                progress: bool = True) -> int:
-    """Append the target's responses for the prompts of `corpus` to `out`; returns rows done."""
+    """Write the target's responses to the prompts of `corpus` into `out` (through
+    `out.partial`, resumed if it exists); returns the rows in `out`."""
     rows = read_prompt_rows(corpus, config)
+    if out.exists():
+        return _check_finished(out, corpus, len(rows))
+    partial = partial_path(out)
+    with open(partial, "a", encoding="utf-8") as f:
+        _lock(f, partial)
+        if out.exists():  # another run finished while we opened the file
+            return _check_finished(out, corpus, len(rows))
+        done = _resume_point(partial, corpus, len(rows), config.batch_size)
+        if done and progress:
+            print(f"dresd: {done} of {len(rows)} responses already in {partial}; continuing",
+                  file=sys.stderr)
+        _generate_rows(target, rows, done, f, config, progress)
+        os.replace(partial, out)  # every row is on disk: the output appears whole
+    return len(rows)
+
+
+def _check_finished(out: Path, corpus: Path, expected: int) -> int:
     done = count_done(out)
-    if done > len(rows):
-        raise CorpusError(f"{out} has {done} rows but {corpus} only {len(rows)} prompts: "
+    if done != expected:
+        raise CorpusError(f"{out} exists with {done} rows, but {corpus} has {expected} "
+                          "prompts: is it the output of another corpus? Choose another --out")
+    return done
+
+
+def _lock(f, partial: Path) -> None:
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise CorpusError(f"another `dresd corpus regenerate` is writing {partial} right now; "
+                          "wait for it to finish, or stop it and run this one again to "
+                          "resume") from None
+
+
+def _resume_point(partial: Path, corpus: Path, total: int, batch_size: int) -> int:
+    """Rows kept in `partial`: its complete rows, cut back to a whole number of batches so that
+    the remaining batches are the ones an uninterrupted run generates."""
+    done = count_done(partial)
+    if done > total:
+        raise CorpusError(f"{partial} has {done} rows but {corpus} only {total} prompts: "
                           "is it the output of another corpus?")
-    if done and progress:
-        print(f"dresd: {done} of {len(rows)} responses already in {out}; continuing",
-              file=sys.stderr)
+    if done % batch_size:
+        done -= done % batch_size
+        keep_rows(partial, done)
+    return done
+
+
+def _generate_rows(target: Target, rows: list[dict], done: int, f, config: RegenerateConfig,
+                   progress: bool) -> None:
+    """Append the responses of rows[done:] to the open file `f`, a batch at a time."""
     tokenizer, model = target.tokenizer, target.model
     eos = target.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
     options: dict = {"do_sample": False}
     if config.temperature > 0:
-        torch.manual_seed(config.seed)
         options = {"do_sample": True, "temperature": config.temperature, "top_k": 0}
     bar = tqdm(total=len(rows), initial=done, unit="prompt", disable=not progress,
                desc="dresd regenerate")
-    with open(out, "a", encoding="utf-8") as f:
-        for start in range(done, len(rows), config.batch_size):
-            batch = rows[start : start + config.batch_size]
-            prompts = [format_prompt_ids(tokenizer, r[config.prompt_field], config.format)
-                       for r in batch]
-            width = max(len(p) for p in prompts)
-            # Left padding: every prompt ends at the same column, where generation continues.
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, p in enumerate(prompts):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
-            device = next(model.parameters()).device
-            output = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                    max_new_tokens=config.max_new_tokens,
-                                    eos_token_id=eos or None, pad_token_id=pad_id, **options)
-            for row, new in zip(batch, output[:, width:].tolist(), strict=True):
-                if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)
-                    new = new[: min(new.index(t) for t in eos if t in new)]
-                text = tokenizer.decode(new, skip_special_tokens=True)
-                f.write(json.dumps({**row, config.response_field: text}) + "\n")
-            f.flush()
-            bar.update(len(batch))
+    for start in range(done, len(rows), config.batch_size):
+        batch = rows[start : start + config.batch_size]
+        prompts = [format_prompt_ids(tokenizer, r[config.prompt_field], config.format)
+                   for r in batch]
+        width = max(len(p) for p in prompts)
+        # Left padding: every prompt ends at the same column, where generation continues.
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        device = next(model.parameters()).device
+        if config.temperature > 0:  # seeded per batch: a resumed run samples what one run does
+            torch.manual_seed(config.seed * 1_000_003 + start)
+        output = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                max_new_tokens=config.max_new_tokens,
+                                eos_token_id=eos or None, pad_token_id=pad_id, **options)
+        lines = []
+        for row, new in zip(batch, output[:, width:].tolist(), strict=True):
+            if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)
+                new = new[: min(new.index(t) for t in eos if t in new)]
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            lines.append(json.dumps({**row, config.response_field: text}) + "\n")
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())  # a batch on disk before the next one starts
+        bar.update(len(batch))
     bar.close()
-    return len(rows)

@@ -51,8 +51,9 @@ from dresd.datastore.format import (
     Manifest,
     check_compatible,
     model_fingerprint,
-    read_manifest,
+    open_manifest,
     save_npy_atomic,
+    save_npy_blocks,
     tokenizer_fingerprint,
 )
 from dresd.datastore.sparse_store import KIND as SPARSE_KIND
@@ -231,7 +232,12 @@ class _DenseBuild:
         self.build = AtomicBuild(out)
 
     def run(self) -> Path:
-        self.build.start(self.plan)
+        with self.build.start(self.plan):  # locked until the store is in place (or we fail)
+            if self.build.finished:
+                return self.build.out
+            return self._run()
+
+    def _run(self) -> Path:
         if self.progress and self.build.resumed:
             print(f"dresd: resuming the unfinished build in {self.build.dir}", file=sys.stderr)
         bar = tqdm(total=int(self.doc_starts[-1]), unit="tok", unit_scale=True,
@@ -308,42 +314,38 @@ class _DenseBuild:
         for number in fit_chunks:
             stats.add(np.load(self._raw_path(number)))
         transform = stats.fit(self.config.pca_dim)
-        tmp = path.with_name("transform.tmp.npz")
-        transform.save(tmp)
-        tmp.replace(path)
+        transform.save(path)
         return transform
 
     def join_chunks(self) -> tuple[Path, np.ndarray]:
-        """All chunks' keys into one fp16 `keys.npy` (written in place, memory-mapped) and
-        their stream offsets into one array, in chunk order: entry ids follow that order."""
+        """All chunks' keys into one fp16 `keys.npy` and their stream offsets into one array,
+        in chunk order: entry ids follow that order (with `keep_states`, the raw states too).
+        The files are written sequentially (not through a memory map, where a full disk is a
+        SIGBUS rather than an error) through a temporary file and a rename."""
         keys_path = self.build.dir / key_index.KEYS_FILE
-        keys = np.lib.format.open_memmap(keys_path, mode="w+", dtype=np.float16,
-                                         shape=(self.num_keys, self.config.pca_dim))
         wide = self.doc_starts[-1] >= 2**32
         offsets = np.empty(self.num_keys, dtype=np.int64 if wide else np.uint32)
         row = 0
-        for number in range(len(self.chunks)):
-            chunk_keys = np.load(self.build.chunk_path(number, "keys.npy"))
-            keys[row : row + len(chunk_keys)] = chunk_keys
-            offsets[row : row + len(chunk_keys)] = np.load(
-                self.build.chunk_path(number, "offsets.npy"))
-            row += len(chunk_keys)
-        keys.flush()
-        if self.config.keep_states:
-            self._join_states()
-        return keys_path, offsets
 
-    def _join_states(self) -> None:
-        """With `keep_states`: every chunk's raw states into one `states.npy`, in entry order."""
-        states = np.lib.format.open_memmap(
-            self.build.dir / STATES_FILE, mode="w+", dtype=np.float16,
-            shape=(self.num_keys, self.model.config.hidden_size))
-        row = 0
-        for number in range(len(self.chunks)):
-            chunk_states = np.load(self._raw_path(number), mmap_mode="r")
-            states[row : row + len(chunk_states)] = chunk_states
-            row += len(chunk_states)
-        states.flush()
+        def chunk_keys():
+            nonlocal row
+            for number in range(len(self.chunks)):
+                keys = np.load(self.build.chunk_path(number, "keys.npy"))
+                offsets[row : row + len(keys)] = np.load(
+                    self.build.chunk_path(number, "offsets.npy"))
+                row += len(keys)
+                yield keys
+
+        save_npy_blocks(keys_path, np.float16, (self.num_keys, self.config.pca_dim),
+                        chunk_keys())
+        if row != self.num_keys:
+            raise RuntimeError(f"the chunks hold {row} keys, the plan {self.num_keys}")
+        if self.config.keep_states:
+            save_npy_blocks(self.build.dir / STATES_FILE, np.float16,
+                            (self.num_keys, self.model.config.hidden_size),
+                            (np.load(self._raw_path(n), mmap_mode="r")
+                             for n in range(len(self.chunks))))
+        return keys_path, offsets
 
     def write_values(self, offsets: np.ndarray) -> tuple[list[str], np.ndarray]:
         """The value files: offsets, the token stream (each token once), document bounds;
@@ -381,7 +383,7 @@ class DenseDatastore:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.manifest = read_manifest(self.folder)
+        self.manifest = open_manifest(self.folder)  # checked against its files first
         if KIND not in kinds(self.manifest):
             raise ValueError(f"{self.folder} is a {self.manifest.kind} datastore, not a dense one")
         self.settings = self.manifest.settings

@@ -30,7 +30,7 @@ from dresd.datastore.format import (
     Manifest,
     check_compatible,
     model_fingerprint,
-    read_manifest,
+    open_manifest,
     tokenizer_fingerprint,
 )
 from dresd.datastore.sparse import FILES, SparseIndex, build_sparse
@@ -76,23 +76,25 @@ def build_sparse_datastore(target: Target, spec: CorpusSpec, out: str | Path,
     spec_fields = {k: v for k, v in asdict(spec).items() if k != "sources"}
     plan = {"kind": KIND, **fingerprints, "corpus": corpus_fingerprint(spec),
             "corpus_spec": spec_fields}
-    build = AtomicBuild(out)
-    build.start(plan)
-    if progress:
-        note = " (resuming an unfinished build)" if build.resumed else ""
-        print(f"dresd: building the suffix array of {len(docs)} documents{note}", file=sys.stderr)
-    lengths = np.array([len(d.ids) for d in docs], dtype=np.int64)
-    doc_starts = np.concatenate([[0], np.cumsum(lengths)])
-    token_ids = np.concatenate([np.asarray(d.ids, dtype=np.int64) for d in docs])
-    files, settings = write_sparse_part(token_ids, doc_starts, build.dir)
-    manifest = Manifest(
-        kind=KIND, model=target.name, model_fingerprint=fingerprints["model_fingerprint"],
-        tokenizer_fingerprint=fingerprints["tokenizer_fingerprint"],
-        vocab_size=model.config.vocab_size, num_entries=int(lengths.sum()),
-        num_corpus_tokens=int(lengths.sum()), num_documents=len(docs), corpus=plan["corpus"],
-        settings={"sparse": settings, "corpus_spec": spec_fields},
-    )
-    return build.finish(manifest, files)
+    with AtomicBuild(out).start(plan) as build:  # locked until the store is in place
+        if build.finished:
+            return build.out
+        if progress:
+            note = " (resuming an unfinished build)" if build.resumed else ""
+            print(f"dresd: building the suffix array of {len(docs)} documents{note}",
+                  file=sys.stderr)
+        lengths = np.array([len(d.ids) for d in docs], dtype=np.int64)
+        doc_starts = np.concatenate([[0], np.cumsum(lengths)])
+        token_ids = np.concatenate([np.asarray(d.ids, dtype=np.int64) for d in docs])
+        files, settings = write_sparse_part(token_ids, doc_starts, build.dir)
+        manifest = Manifest(
+            kind=KIND, model=target.name, model_fingerprint=fingerprints["model_fingerprint"],
+            tokenizer_fingerprint=fingerprints["tokenizer_fingerprint"],
+            vocab_size=model.config.vocab_size, num_entries=int(lengths.sum()),
+            num_corpus_tokens=int(lengths.sum()), num_documents=len(docs),
+            corpus=plan["corpus"], settings={"sparse": settings, "corpus_spec": spec_fields},
+        )
+        return build.finish(manifest, files)
 
 
 def open_sparse_datastore(folder: str | Path) -> tuple[SparseIndex, Manifest | None]:
@@ -106,7 +108,7 @@ def open_sparse_datastore(folder: str | Path) -> tuple[SparseIndex, Manifest | N
         raise FileNotFoundError(f"datastore folder {folder} does not exist")
     if not (folder / "manifest.json").is_file() and all((folder / n).is_file() for n in FILES):
         return SparseIndex.open(folder), None
-    manifest = read_manifest(folder)
+    manifest = open_manifest(folder)
     if KIND not in kinds(manifest):
         raise DatastoreError(f"{folder} is a {manifest.kind} datastore without a sparse part; "
                              "build one with `dresd build --kind sparse` (or dense,sparse)")

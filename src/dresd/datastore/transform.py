@@ -94,9 +94,12 @@ class KeyTransform:
         return y[0] if single else y
 
     def save(self, path: str | Path) -> None:
-        with open(path, "wb") as f:  # a file object: np.savez must not append ".npz"
-            np.savez(f, mean=self.mean, std=self.std, components=self.components,
-                     explained=np.float64(self.explained))
+        """An `.npz` file, written atomically; the same transform always gives the same bytes."""
+        from dresd.datastore.format import save_npz_atomic  # format imports the models
+
+        save_npz_atomic(Path(path), {"mean": self.mean, "std": self.std,
+                                     "components": self.components,
+                                     "explained": np.float64(self.explained)})
 
     @classmethod
     def load(cls, path: str | Path) -> KeyTransform:
