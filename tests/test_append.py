@@ -15,7 +15,7 @@ from dresd.cli import main
 from dresd.corpus import CorpusError, CorpusSpec, output_row, tokenize_corpus
 from dresd.datastore import append, dense
 from dresd.datastore.append import append_to_datastore, staging_dir
-from dresd.datastore.format import DatastoreError, read_manifest, verify_files
+from dresd.datastore.format import DatastoreError, read_manifest, verify_store
 from dresd.datastore.sparse import FILES, SparseIndex
 from dresd.datastore.sparse_store import build_sparse_datastore
 from dresd.drafters import RestDrafter
@@ -60,7 +60,8 @@ def test_appended_sparse_part_equals_a_build_from_scratch(tmp_path, corpora, def
     scratch = build(default_target, union, tmp_path / "scratch", kind)
 
     grown, fresh = read_manifest(store), read_manifest(scratch)
-    assert verify_files(store, grown) == [] and not staging_dir(store).exists()
+    verify_store(store, grown, full=True)  # every file as its manifest says
+    assert not staging_dir(store).exists()
     assert (grown.num_documents, grown.num_corpus_tokens, grown.settings["sparse"]) == \
         (fresh.num_documents, fresh.num_corpus_tokens, fresh.settings["sparse"])
     assert grown.settings["appends"][0]["documents"] == 3
@@ -148,15 +149,15 @@ def test_a_crash_mid_append_leaves_the_old_store_intact(tmp_path, corpora, defau
             append_to_datastore(default_target, corpora[1], store, progress=False)
         monkeypatch.undo()
         assert (store / "manifest.json").read_text() == manifest_text
-        assert verify_files(store, read_manifest(store)) == []
+        verify_store(store, read_manifest(store), full=True)
         dense.DenseDatastore(store).search(np.ones(576, dtype=np.float32), 3)  # still usable
         RestDrafter(str(store))
 
     # The next append clears the leftover; where folders cannot be exchanged, two renames.
     monkeypatch.setattr(append, "exchange_folders", lambda a, b: False)
     append_to_datastore(default_target, corpora[1], store, progress=False)
-    assert read_manifest(store).num_documents == 9 and verify_files(store, read_manifest(store)) \
-        == []
+    assert read_manifest(store).num_documents == 9
+    verify_store(store, read_manifest(store), full=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old", "store"]
 
 
