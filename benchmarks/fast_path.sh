@@ -22,8 +22,9 @@ DRESD=.venv/bin/dresd
 GSM8K_FIELDS=(--prompt-field question --response-field answer)
 mkdir -p "$STORES" "$WORK/corpora" "$RESULTS"
 
-# 1. The ID corpus (greedy, batched, resumable).
-ID_CORPUS=$WORK/corpora/gsm8k-train-id.jsonl
+# 1. The ID corpus (greedy, batched, resumable). The recorded store was built from the first
+#    1,024 rows of gsm8k-train-id.jsonl, which retrieval.sh has since grown to every question.
+ID_CORPUS=$WORK/corpora/gsm8k-train-id-1024.jsonl
 $DRESD corpus regenerate --model default --corpus "$DATA/gsm8k/train.jsonl" "${GSM8K_FIELDS[@]}" \
     --out "$ID_CORPUS" --limit 1024 --max-new-tokens 128 --batch-size 32 --threads 1
 
