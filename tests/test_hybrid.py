@@ -23,7 +23,13 @@ from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
 from dresd.calibrate import cost_at
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.drafters.base import DraftContext
-from dresd.drafters.hybrid import AcceptanceTable, CandidateTree, HybridDrafter, best_budget
+from dresd.drafters.hybrid import (
+    AcceptanceTable,
+    CandidateTree,
+    HybridDrafter,
+    agreeing_prefixes,
+    best_budget,
+)
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -57,6 +63,17 @@ def test_a_fitted_prior_replaces_the_guess(tmp_path):
     drafter = HybridDrafter(prior=str(tmp_path / "prior.json"), cost={1: 1.0})
     assert drafter.table.probability(often) == pytest.approx(0.9)
     assert drafter.table.probability(rare) == AcceptanceTable().probability(rare)
+
+
+def test_dense_drafts_are_cut_where_no_other_neighbour_follows():
+    drafts = [np.array(d) for d in ([9, 9, 9], [1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4],
+                                    [7, 8, 9])]
+    kept = agreeing_prefixes(drafts)
+    assert kept == {(9, 9, 9): 1,  # the nearest neighbour's draft: whole
+                    (1, 2, 3, 4): 2,  # two neighbours agree: whole
+                    (1, 2, 5): 1,  # shares [1, 2] with another: one token past it
+                    (7,): 1}  # shares nothing: its first token only
+    assert sum(kept.values()) == len(drafts)  # every neighbour still counts once
 
 
 def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():

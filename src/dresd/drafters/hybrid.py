@@ -181,6 +181,33 @@ class CandidateTree:
         return tokens[::-1]
 
 
+def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int]:
+    """The dense neighbours' drafts, each distinct one with its count, cut where no other draft
+    follows it any more: one token past the longest prefix it shares with another draft. The
+    nearest neighbour's draft and repeated drafts stay whole. A lone tail is a candidate that
+    one neighbour in k proposes, rarely worth a node; dropping it keeps the tree (and the time
+    to build and score it) small."""
+    counts = Counter(tuple(d.tolist()) for d in neighbours)
+    if len(counts) < 2:
+        return dict(counts)
+    nearest = tuple(neighbours[0].tolist())
+    ordered = sorted(counts)  # drafts that share a prefix are neighbours in this order
+
+    def shared(a: tuple, b: tuple) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    lcp = [shared(a, b) for a, b in zip(ordered, ordered[1:], strict=False)]
+    kept: Counter = Counter()
+    for i, draft in enumerate(ordered):
+        whole = counts[draft] > 1 or draft == nearest
+        cut = max(lcp[i - 1] if i > 0 else 0, lcp[i] if i < len(lcp) else 0) + 1
+        kept[draft if whole else draft[:cut]] += counts[draft]
+    return dict(kept)
+
+
 def best_budget(reach: list[float], cost: dict[int, float]) -> int:
     """n* = argmax_n (1 + sum of the n largest reach probabilities) / cost(n + 1)."""
     ranked = sorted(reach, reverse=True)
@@ -248,7 +275,7 @@ class HybridDrafter:
         for name in self.sources if draft_len >= 1 else []:
             if name == "dresd":  # every neighbour counts: agreement is a feature
                 neighbours = self.sources[name].neighbour_drafts(context, draft_len)
-                for draft, repeats in Counter(tuple(d.tolist()) for d in neighbours).items():
+                for draft, repeats in agreeing_prefixes(neighbours).items():
                     tree.add(draft, name, repeats)
                 continue
             for draft in self.sources[name].propose(context):
