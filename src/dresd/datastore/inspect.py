@@ -14,6 +14,7 @@ COMPONENTS = {
     "scann": "keys (index)",
     "offsets.npy": "value offsets",
     "stream.npy": "token stream (values)",
+    "states.npy": "raw hidden states (--keep-states)",
     "doc_starts.npy": "document bounds",
     "transform.npz": "transform",
     "sparse/symbols.npy": "sparse: token stream",
