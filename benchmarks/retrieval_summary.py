@@ -2,9 +2,12 @@
 
 Reads every `results/retrieval/<name>.json` and writes `results/retrieval/README.md` and
 `results/retrieval/scaling.png` (mean accepted length against store size, log scale, DReSD and
-REST at their defaults and at equal tree budgets). The ratio the paper reports is
+REST at their defaults and at equal tree budgets). Two ratios, since "accepted length" is
+read both ways (same store, prompts and steps):
 
-    DReSD / REST = DReSD's mean accepted length / REST's       (same store, prompts, steps)
+    DReSD / REST         = DReSD's mean accepted length / REST's  (tokens per verify, bonus in)
+    drafted DReSD / REST = (DReSD's mean accepted length - 1) / (REST's - 1)
+                           (accepted draft tokens per verify, bonus out)
 
     .venv/bin/python benchmarks/retrieval_summary.py
 """
@@ -30,8 +33,9 @@ def scaling_table(name: str, result: dict) -> list[str]:
     lines = [f"### {name}: {result['prompts']} {result['dataset']} prompts, {result['tokens']} "
              f"AR tokens, store `{Path(result['store']).name}`, {result['dtype']}, "
              f"{result['threads']} thread", "",
-             "Mean accepted length (tokens per verify, bonus included); DReSD / REST in "
-             "brackets; est. speedup over AR from the verify-cost curve.", "",
+             "Mean accepted length (tokens per verify, bonus included), DReSD / REST; in "
+             "brackets the ratio, and the ratio of accepted draft tokens (bonus out); est. "
+             "speedup over AR from the verify-cost curve.", "",
              "| store tokens | entries | " + " | ".join(p[0] for p in PAIRS)
              + " | est. speedup DReSD default / REST default |",
              "| ---: | ---: |" + " ---: |" * (len(PAIRS) + 1)]
@@ -40,7 +44,8 @@ def scaling_table(name: str, result: dict) -> list[str]:
         cells = []
         for _, dresd, rest in PAIRS:
             d, r = methods[dresd]["mean_accepted_length"], methods[rest]["mean_accepted_length"]
-            cells.append(f"{d:.2f} / {r:.2f} (**{d / r:.2f}x**)")
+            drafted = (d - 1) / (r - 1) if r > 1 else float("inf")
+            cells.append(f"{d:.2f} / {r:.2f} (**{d / r:.2f}x**; {drafted:.2f}x)")
         speed = (f"{methods[DRESD_DEFAULT]['est_speedup']:.2f}x / "
                  f"{methods[REST_DEFAULT]['est_speedup']:.2f}x")
         lines.append(f"| {fmt_size(row['size_tokens'])} | {row['entries']:,} | "
