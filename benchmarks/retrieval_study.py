@@ -383,7 +383,9 @@ def main() -> None:
     curve = load_or_measure(target)
     ctx = {"work": Path("/tmp") / f"retrieval-study-{args.name}",
            "pricing": {"tokens": tokens, "curve": curve, "step_seconds": step_seconds}}
-    sizes = sorted({min(int(s), total) or total for s in args.sizes.split(",")})
+    # Sizes that round to the same documents are one size.
+    sizes = sorted({int(store.doc_starts[store.docs_for_size(min(int(s), total) or total)])
+                    for s in args.sizes.split(",")})
     result = {"store": str(args.store), "store_tokens": total, "dataset": args.dataset,
               "prompts": len(refs), "tokens": tokens, "dtype": str(target.dtype),
               "threads": 1, "ar_ms_per_token": 1e3 * step_seconds,
