@@ -192,3 +192,5 @@ def test_outputs_of_another_model_or_tokenizer_are_refused(tmp_path, corpora, de
     append_to_datastore(default_target, spec, store, progress=False)
     ids = encode_prompt(default_target.tokenizer, "Count to three.") + [505, 827]
     assert (6, 0) in SparseIndex.open(store / "sparse").occurrences(ids)  # the 7th document
+    with pytest.raises(DatastoreError, match="already in .* store its documents twice"):
+        append_to_datastore(default_target, spec, store, progress=False)

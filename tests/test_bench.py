@@ -78,8 +78,14 @@ def test_one_method_with_several_option_sets(tiny_model_dir, dataset, tmp_path):
     out = tmp_path / "out"
     methods = "pld, pld[num_drafts=3,max_ngram=2]"
     assert main(["bench", "--model", str(tiny_model_dir), "--methods", methods, "--dataset",
-                 str(dataset), "--max-new-tokens", "12", "--out", str(out)]) == 0
+                 str(dataset), "--max-new-tokens", "12", "--out", str(out),
+                 "--save-outputs", str(tmp_path / "saved.jsonl")]) == 0
     report = json.loads((out / "report.json").read_text())
+    saved = [json.loads(line) for line in (tmp_path / "saved.jsonl").read_text().splitlines()]
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [row["token_ids"] for row in saved] == [o["token_ids"] for o in outputs
+                                                  if o["method"] == "ar"]  # a corpus of them
+    assert saved[0]["prompt"] == "Say red red red again." and saved[0]["model_fingerprint"]
     variant = "pld[num_drafts=3,max_ngram=2]"
     assert report["meta"]["methods"] == ["ar", "pld", variant]
     options = report["meta"]["drafter_options"]

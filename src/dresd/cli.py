@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="optional category field of a .jsonl dataset")
     bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
+    add_save_outputs_option(bench)  # AR's output per prompt: every method's, when greedy
     bench.set_defaults(func=cmd_bench)
 
     from dresd.serve.cli import add_serve_command  # the server's options and handler
@@ -575,6 +576,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # started us in the background made it ignore SIGINT (Python then installs no handler).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     records, interrupted = run_bench(runners, prompts, prompt_ids)
+    if args.save_outputs is not None:
+        made_by = output_origin(target)
+        for record in records:
+            if record.method == AR:
+                save_output(args.save_outputs, output_row(
+                    record.prompt.text,
+                    target.tokenizer.decode(record.result.token_ids, skip_special_tokens=True),
+                    prompt_ids[record.prompt_index], record.result.token_ids, made_by))
     meta["interrupted"] = interrupted
     report = build_report(records, methods, meta)
     write_report(report, records, args.out)

@@ -88,6 +88,8 @@ def append_to_datastore(target: Target, spec: CorpusSpec, folder: str | Path,
     parts = kinds(manifest)
     if "dense" in parts:
         _check_keys_can_grow(folder, manifest)
+    sources = corpus_fingerprint(spec)
+    _check_not_stored_yet(sources, manifest, folder)
     stored_spec = manifest.settings["corpus_spec"]
     spec = replace(spec, format=stored_spec["format"], keys=stored_spec["keys"],
                    max_tokens=stored_spec["max_tokens"])
@@ -116,7 +118,7 @@ def append_to_datastore(target: Target, spec: CorpusSpec, folder: str | Path,
         sparse_files, settings["sparse"] = write_sparse_part(tokens, starts, staging)
         written += sparse_files
     record = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-              "corpus": corpus_fingerprint(spec), "documents": len(docs),
+              "corpus": sources, "documents": len(docs),
               "tokens": len(new_tokens), "entries": added_entries,
               "dtype": dtype_name(target.dtype), "dresd": __version__}
     settings["appends"] = [*settings.get("appends", []), record]
@@ -127,6 +129,19 @@ def append_to_datastore(target: Target, spec: CorpusSpec, folder: str | Path,
     write_atomic(staging / MANIFEST, grown.to_json().encode())  # last: the store is complete
     replace_folder(folder, staging)
     return folder
+
+
+def _check_not_stored_yet(sources: list[dict], manifest: Manifest, folder: Path) -> None:
+    """Refuse a source whose bytes the store already holds: its documents would be stored
+    twice (a session file appended once already, say)."""
+    stored = {entry["sha256"]: entry["source"] for entry in manifest.corpus}
+    for entry in sources:
+        if entry["sha256"] in stored:
+            raise DatastoreError(
+                f"{entry['source']} is already in {folder} (the same bytes as "
+                f"{stored[entry['sha256']]!r}): appending it again would store its documents "
+                "twice. Append each session's outputs once (a new --save-outputs file per "
+                "session, or only the rows added since)")
 
 
 def _check_keys_can_grow(folder: Path, manifest: Manifest) -> None:
