@@ -293,7 +293,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="small model for --method draft (must share the target's tokenizer)")
     p.add_argument("--datastore", type=Path, default=None,
                    help="dresd, rest: the datastore folder (built with `dresd build`)")
-    p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 50)")
+    p.add_argument("--k", type=int, default=None, help="dresd: neighbours searched (default 200)")
     p.add_argument("--rest-max-suffix", type=int, default=None, dest="max_suffix",
                    help="rest: longest context suffix looked up (default 16)")
     p.add_argument("--rest-min-suffix", type=int, default=None, dest="min_suffix",

@@ -254,7 +254,10 @@ class HybridDrafter:
                 self.sources["rest"] = RestDrafter(self.datastore, draft_len=self.draft_len,
                                                    max_tree_nodes=16, learn=stores_learn)
             if "dense" in parts:
-                self.sources["dresd"] = DenseDrafter(self.datastore, len_drafts=self.draft_len,
+                # k = 50: each neighbour's draft is a candidate to merge and score, so more
+                # neighbours cost hybrid more than they cost DReSD alone
+                self.sources["dresd"] = DenseDrafter(self.datastore, k=50,
+                                                     len_drafts=self.draft_len,
                                                      learn=stores_learn)
 
     def check_target(self, target: Target) -> None:
