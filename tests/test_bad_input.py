@@ -23,7 +23,7 @@ from reliability_helpers import (
 
 from dresd.prompts import encode_prompt
 
-FUZZ_RUNS_CI = 40
+FUZZ_RUNS_CI = 20
 
 
 @pytest.fixture(scope="module")
