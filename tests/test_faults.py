@@ -73,7 +73,7 @@ def timed_run(command: list, out: Path, started: Path) -> float:
     return time.monotonic() - begin
 
 
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> bool:
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 1800) -> bool:
     """Poll until `path` exists (True) or the process ends first (False)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
