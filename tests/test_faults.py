@@ -303,13 +303,14 @@ def commands_on(setup, store: Path) -> dict[str, list]:
     prompts.write_text('{"prompt": "alpha beta gamma"}\n')
     common = ["--model", setup["tiny"], "--datastore", store, "--max-new-tokens", "4"]
     return {"inspect": ["inspect", store],
-            "generate": ["generate", *common, "--method", "hybrid", "--prompt", "alpha beta"],
+            "generate": ["generate", *common, "--method", "dresd", "--prompt", "alpha beta"],
             "bench": ["bench", *common, "--methods", "dresd,rest", "--dataset", prompts,
                       "--out", setup["root"] / "bench"]}
 
 
 def check_damage(setup, reference_store, name: str, damage: str, seed: int, capsys) -> None:
     store = setup["root"] / "damaged" / f"{name.replace('/', '_')}-{damage}-{seed}"
+    shutil.rmtree(store, ignore_errors=True)  # a case may be tried again in one session
     shutil.copytree(reference_store, store)
     DAMAGE[damage](store / name, random.Random(seed))
     for command, argv in commands_on(setup, store).items():
