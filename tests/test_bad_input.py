@@ -23,7 +23,7 @@ from reliability_helpers import (
 
 from dresd.prompts import encode_prompt
 
-FUZZ_RUNS_CI = 40
+FUZZ_RUNS_CI = 20
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def fuzz_generate(tiny, capsys, runs: int, seed: int) -> dict[int, int]:
     seen: dict[int, int] = {}
     for _ in range(runs):
         argv = ["generate", "--model", tiny, "--prompt", "alpha beta alpha beta",
-                "--method", rng.choice(["pld", "suffix", "hybrid", "none"])]
+                "--method", rng.choice(["pld", "suffix", "none"])]  # hybrid would calibrate
         for option in rng.sample(FUZZ_OPTIONS, rng.randint(1, 3)):
             argv += [option, rng.choice(FUZZ_VALUES)]
         if "--max-new-tokens" not in argv:

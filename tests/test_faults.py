@@ -11,8 +11,9 @@
 - Every file of a datastore truncated, zeroed, bit-flipped or missing: `inspect`, `generate`
   and `bench` end with one `dresd: error:` line naming the file, exit 2, before any model loads.
 
-CI runs KILLS_CI kills of each command and one bit flip per file; `-m slow` (or
-DRESD_RELIABILITY_KILLS=N) runs 10 kills and 10 random bit flips per file.
+CI runs one kill of each command, the build lock, one file-size limit and one bit flip per
+file (four process starts in all); `-m slow` adds ten kills of each (DRESD_RELIABILITY_KILLS),
+the regeneration lock, five file-size limits, the full disk and ten random bit flips per file.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from reliability_helpers import (
     write_corpus,
 )
 
+from dresd.cli import main
 from dresd.datastore import format as store_format
 from dresd.datastore.format import DatastoreError, partial_dir, read_manifest
 from dresd.regenerate import partial_path
 
-KILLS_CI = 3
+KILLS_CI = 1
 KILLS_FULL = int(os.environ.get("DRESD_RELIABILITY_KILLS", "10"))
 FLIPS_FULL = 10
 
@@ -61,25 +63,17 @@ def setup(tmp_path_factory):
             "regenerate": regenerate}
 
 
-@pytest.fixture(scope="module")
-def reference_store(setup) -> Path:
-    """The uninterrupted build, in a real process (so that resumes in this one are compared
-    with another process's bytes)."""
-    out = setup["root"] / "reference-store"
-    done = spawn(*setup["build"], "--out", out)
-    assert done.wait(timeout=600) == 0, done.stderr.read()
-    return out
+def timed_run(command: list, out: Path, started: Path) -> float:
+    """Run the command to its end in a real process; returns the seconds from `started`
+    appearing to the end: the stretch of work a kill can hit."""
+    process = spawn(*command, "--out", out)
+    assert wait_for(started, process)
+    begin = time.monotonic()
+    assert process.wait(timeout=600) == 0, process.stderr.read()
+    return time.monotonic() - begin
 
 
-@pytest.fixture(scope="module")
-def reference_regenerated(setup) -> Path:
-    out = setup["root"] / "reference.jsonl"
-    done = spawn(*setup["regenerate"], "--out", out)
-    assert done.wait(timeout=600) == 0, done.stderr.read()
-    return out
-
-
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> bool:
+def wait_for(path: Path, process: subprocess.Popen, timeout: float = 1800) -> bool:
     """Poll until `path` exists (True) or the process ends first (False)."""
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -89,13 +83,28 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> boo
     return True
 
 
-def timed_run(command: list, out: Path, started: Path) -> float:
-    """Seconds from `started` appearing to the process's end: the work a kill can hit."""
-    process = spawn(*command, "--out", out)
-    assert wait_for(started, process)
+def in_process_run(command: list, out: Path) -> float:
+    """Run the command here to its end; returns its seconds: the stretch a kill may hit."""
     begin = time.monotonic()
-    assert process.wait(timeout=600) == 0, process.stderr.read()
+    assert main([str(a) for a in [*command, "--out", out]]) == 0
     return time.monotonic() - begin
+
+
+@pytest.fixture(scope="module")
+def reference_store(setup) -> Path:
+    """The uninterrupted build (run here: only the killed runs pay for starting a process, and
+    each killed store is finished here and compared with these bytes, which also compares what
+    two processes write)."""
+    out = setup["root"] / "reference-store"
+    setup["build_window"] = in_process_run(setup["build"], out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_regenerated(setup) -> Path:
+    out = setup["root"] / "reference.jsonl"
+    setup["regenerate_window"] = in_process_run(setup["regenerate"], out)
+    return out
 
 
 def kill_at_random(command: list, out: Path, started: Path, window: float,
@@ -111,10 +120,8 @@ def kill_at_random(command: list, out: Path, started: Path, window: float,
 
 
 def kill_and_resume_builds(setup, reference_store, kills: int, capsys) -> list[str]:
-    rng = random.Random(1)
-    timed = setup["root"] / "timed-store"
-    window = timed_run(setup["build"], timed, partial_dir(timed))
-    assert_same_files(timed, reference_store)  # two processes build the same bytes
+    rng = random.Random(kills)
+    window = setup["build_window"]
     outcomes = []
     for trial in range(kills):
         out = setup["root"] / f"killed-store-{kills}-{trial}"
@@ -145,10 +152,8 @@ def test_build_killed_at_random_points_full(setup, reference_store, capsys):
 
 
 def kill_and_resume_regenerate(setup, reference: Path, kills: int, capsys) -> list[str]:
-    rng = random.Random(2)
-    timed = setup["root"] / "timed.jsonl"
-    window = timed_run(setup["regenerate"], timed, partial_path(timed))
-    assert timed.read_bytes() == reference.read_bytes()
+    rng = random.Random(100 + kills)
+    window = setup["regenerate_window"]
     outcomes = []
     for trial in range(kills):
         out = setup["root"] / f"killed-{kills}-{trial}.jsonl"
@@ -196,6 +201,7 @@ def test_two_builds_into_one_folder(setup, reference_store, capsys):
     assert_same_files(out, reference_store)
 
 
+@pytest.mark.slow  # the same lock as the build's; CI runs that one
 def test_two_regenerations_into_one_file(setup, reference_regenerated, capsys):
     out = setup["root"] / "contended.jsonl"
     first_batch = partial_path(out)
@@ -208,11 +214,9 @@ def file_size_limit(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_file_size_limit_is_one_error_and_resumes(setup, reference_store, capsys):
-    """Limits below the smallest chunk file and below the largest file: both builds stop with
-    one line; the reruns resume to the uninterrupted bytes."""
-    largest = max(p.stat().st_size for p in reference_store.rglob("*") if p.is_file())
-    for limit in (4096, largest - 1):
+def limited_builds(setup, reference_store, limits: list[int], capsys) -> None:
+    """Builds under each file-size limit stop with one line; reruns resume to the same bytes."""
+    for limit in limits:
         out = setup["root"] / f"limited-store-{limit}"
         process = spawn(*setup["build"], "--out", out, preexec_fn=file_size_limit(limit))
         assert process.wait(timeout=600) == 2
@@ -224,6 +228,24 @@ def test_file_size_limit_is_one_error_and_resumes(setup, reference_store, capsys
         assert_same_files(out, reference_store)
 
 
+def largest_file(store: Path) -> int:
+    return max(p.stat().st_size for p in store.rglob("*") if p.is_file())
+
+
+def test_file_size_limit_is_one_error_and_resumes(setup, reference_store, capsys):
+    """A limit just below the largest file: the build stops late, with its chunks done."""
+    limited_builds(setup, reference_store, [largest_file(reference_store) - 1], capsys)
+
+
+@pytest.mark.slow
+def test_file_size_limits_full(setup, reference_store, capsys):
+    """Limits from below the first chunk file to below the largest file."""
+    largest = largest_file(reference_store)
+    limited_builds(setup, reference_store, [1024, 4096, 16384, largest // 2, largest - 1],
+                   capsys)
+
+
+@pytest.mark.slow  # CI runs the file-size limit, the same error path
 def test_full_disk_is_one_error_and_resumes(setup, reference_store, capsys):
     """A real ENOSPC: a 256 KiB tmpfs (needs the right to mount; skipped elsewhere)."""
     disk = setup["root"] / "small-disk"
@@ -281,13 +303,14 @@ def commands_on(setup, store: Path) -> dict[str, list]:
     prompts.write_text('{"prompt": "alpha beta gamma"}\n')
     common = ["--model", setup["tiny"], "--datastore", store, "--max-new-tokens", "4"]
     return {"inspect": ["inspect", store],
-            "generate": ["generate", *common, "--method", "hybrid", "--prompt", "alpha beta"],
+            "generate": ["generate", *common, "--method", "dresd", "--prompt", "alpha beta"],
             "bench": ["bench", *common, "--methods", "dresd,rest", "--dataset", prompts,
                       "--out", setup["root"] / "bench"]}
 
 
 def check_damage(setup, reference_store, name: str, damage: str, seed: int, capsys) -> None:
     store = setup["root"] / "damaged" / f"{name.replace('/', '_')}-{damage}-{seed}"
+    shutil.rmtree(store, ignore_errors=True)  # a case may be tried again in one session
     shutil.copytree(reference_store, store)
     DAMAGE[damage](store / name, random.Random(seed))
     for command, argv in commands_on(setup, store).items():
@@ -348,3 +371,53 @@ def test_opening_reads_only_a_budget(tmp_path, monkeypatch):
         store_format.verify_store(tmp_path, manifest)
     assert "a.npy (sha256" in str(error.value) and "b.npy (sha256" in str(error.value)
     assert "c.bin" not in str(error.value)  # past the budget: its size is checked, not its hash
+
+
+class Killed(BaseException):
+    """Stands for a kill at one exact point (nothing catches a BaseException on the way)."""
+
+
+def killed(*args, **kwargs):
+    raise Killed
+
+
+def stop_at(step: str, partial: Path, monkeypatch) -> None:
+    """Make the build stop at `step` of `AtomicBuild.finish`, after the manifest is written:
+    before removing the chunks, before removing the plan, or at the final rename."""
+    if step == "remove chunks":
+        monkeypatch.setattr(store_format.shutil, "rmtree", killed)
+    elif step == "remove plan":
+        real_unlink = Path.unlink
+
+        def unlink(self, *args, **kwargs):
+            if self.name == "plan.json":
+                raise Killed
+            return real_unlink(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "unlink", unlink)
+    else:
+        real_replace = os.replace
+
+        def replace(source, destination):
+            if Path(source) == partial:
+                raise Killed
+            return real_replace(source, destination)
+
+        monkeypatch.setattr(store_format.os, "replace", replace)
+
+
+@pytest.mark.parametrize("step", ["remove chunks", "remove plan", "rename"])
+def test_build_stopped_in_its_last_steps_finishes_on_rerun(setup, reference_store, step,
+                                                           monkeypatch, capsys):
+    """The narrow windows a random kill almost never hits: between the manifest and the rename.
+    A rerun resumes (plan still there) or recognises the finished store and renames it."""
+    out = setup["root"] / f"finish-{step.replace(' ', '-')}"
+    stop_at(step, partial_dir(out), monkeypatch)
+    with pytest.raises(Killed):
+        run_main(capsys, *setup["build"], "--out", out)
+    monkeypatch.undo()
+    assert not out.exists() and (partial_dir(out) / "manifest.json").is_file()
+    code, err = run_main(capsys, *setup["build"], "--out", out)
+    assert code == 0, err
+    assert not partial_dir(out).exists()
+    assert_same_files(out, reference_store)

@@ -4,10 +4,11 @@ Resident memory (VmRSS, and its anonymous part RssAnon) is read after a warm-up,
 method has met every prompt, and again at the end: it must grow by less than 5%. Every greedy
 output must equal AR's (transformers `generate`) token for token, all run long.
 
-The CI version: the default model in float32, a small store built here, 42 generations. The full
-version (`-m slow`; DRESD_LONG_RUN_GENERATIONS, default 500): the default model as `dresd`
-loads it (`--dtype auto`), the GSM8K ID store from the cache if it is there, and prompts from
-GSM8K, HumanEval and MT-Bench (../shared/data); it prints what it measured.
+The CI version: the default model in float32, a small store built here, 28 generations. The full
+version (`-m slow`): the default model as `dresd` loads it (`--dtype auto`), the GSM8K ID store
+from the cache if it is there, prompts from GSM8K, HumanEval and MT-Bench (../shared/data);
+DRESD_LONG_RUN_GENERATIONS (500), DRESD_LONG_RUN_TOKENS (new tokens per prompt in turn,
+"8,24,16,32") and DRESD_LONG_RUN_PROMPTS_PER_SET (4) size it; it prints what it measured.
 """
 
 from __future__ import annotations
@@ -60,14 +61,15 @@ def mixed_prompts(limit: int) -> list[str]:
     return [p.text for group in zip(*sets, strict=False) for p in group]
 
 
-def long_run(target, store: Path, prompts: list[str], generations: int) -> dict:
+def long_run(target, store: Path, prompts: list[str], generations: int,
+             new_tokens: list[int] = NEW_TOKENS) -> dict:
     """`generations` generations, method and prompt in turn; memory after a warm-up (every
     method on every prompt) and at the end; every output compared with AR's."""
     runners = {method: MethodRunner(target, method, GenerationSettings(),
                                     datastore=str(store), cost=FLAT_COST)
                for method in METHODS}
     encoded = [encode_prompt(target.tokenizer, p) for p in prompts]
-    budgets = [NEW_TOKENS[i % len(NEW_TOKENS)] for i in range(len(prompts))]
+    budgets = [new_tokens[i % len(new_tokens)] for i in range(len(prompts))]
     references = []
     for ids, budget in zip(encoded, budgets, strict=True):
         runners[AR].settings = GenerationSettings(budget)
@@ -118,9 +120,26 @@ def small_store(tmp_path_factory, default_target) -> Path:
 
 
 def test_long_run_stays_exact_and_keeps_its_memory(default_target, small_store):
-    prompts = FALLBACK_PROMPTS[:3]
+    prompts = FALLBACK_PROMPTS[:2]
     figures = long_run(default_target, small_store, prompts, 2 * len(METHODS) * len(prompts))
     check(figures)
+
+
+@pytest.mark.slow
+def test_long_run_full_on_a_tiny_model(tmp_path):
+    """500 generations where CPU time is short: a 2-layer random model with the default
+    tokenizer (reliability_helpers), and a store built for it here."""
+    from reliability_helpers import TINY_CONTEXT, save_tiny_model, write_corpus
+
+    torch.set_num_threads(1)
+    target = load_target(str(save_tiny_model(tmp_path / "tiny")))
+    room = TINY_CONTEXT - max(NEW_TOKENS)  # prompts that leave room for every budget
+    prompts = [p for p in mixed_prompts(3) if len(encode_prompt(target.tokenizer, p)) < room]
+    store = build_dense(target, CorpusSpec([str(write_corpus(tmp_path / "corpus.jsonl"))]),
+                        tmp_path / "store", DenseBuildConfig(pca_dim=8, index="exact"),
+                        progress=False, with_sparse=True)
+    generations = int(os.environ.get("DRESD_LONG_RUN_GENERATIONS", "500"))
+    check(long_run(target, store, prompts, generations))
 
 
 @pytest.mark.slow
@@ -129,4 +148,7 @@ def test_long_run_full():
     torch.set_num_threads(1)
     target = load_target("default")  # --dtype auto, as `dresd generate` loads it
     generations = int(os.environ.get("DRESD_LONG_RUN_GENERATIONS", "500"))
-    check(long_run(target, CACHED_STORE, mixed_prompts(4), generations))
+    budgets = os.environ.get("DRESD_LONG_RUN_TOKENS", ",".join(map(str, NEW_TOKENS)))
+    prompts = mixed_prompts(int(os.environ.get("DRESD_LONG_RUN_PROMPTS_PER_SET", "4")))
+    check(long_run(target, CACHED_STORE, prompts, generations,
+                   [int(n) for n in budgets.split(",")]))
