@@ -168,10 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--pca-dim", type=int, default=64, help="key dimensions (default 64)")
     build.add_argument("--value-len", type=int, default=20,
                        help="tokens stored after each position (default 20)")
-    build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
-                       help="auto: exact search for small stores, FAISS IVF above")
+    build.add_argument("--index", choices=["auto", "exact", "ivf", "ivfpq", "scann"],
+                       default="auto", help="auto: exact search for small stores, FAISS IVF "
+                       "above; ivfpq: PQ codes + exact re-ranking on memory-mapped keys, for "
+                       "stores past RAM")
     build.add_argument("--recall-target", type=finite_float, default=0.9,
-                       help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
+                       help="ivf, ivfpq: nprobe is raised until recall@10 reaches this "
+                       "(default 0.9)")
     build.add_argument("--chunk-tokens", type=int, default=65_536,
                        help="corpus tokens per resumable chunk")
     build.add_argument("--batch-tokens", type=int, default=8_192,

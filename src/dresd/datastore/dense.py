@@ -3,8 +3,8 @@
 Files in a dense datastore folder:
 
     transform.npz     the key transform (z-score, PCA, L2 norm; see transform.py)
-    keys.npy          fp16 [N, dim] keys (exact index; with `ivf` the index holds them)
-    index.faiss       the ANN index (ivf), or scann/ (scann)
+    keys.npy          fp16 [N, dim] keys (exact, and ivfpq's re-ranking; `ivf` holds them)
+    index.faiss       the ANN index (ivf, ivfpq), or scann/ (scann)
     offsets.npy       [N] for entry e, the position in the token stream of the token whose
                       hidden state is key e; its value is the next `value_len` tokens
     stream.npy        every corpus document's token ids, one after another (uint16 if the
@@ -76,8 +76,8 @@ class DenseBuildConfig:
 
     pca_dim: int = 64  # key dimensions after PCA (paper: 64)
     value_len: int = 20  # tokens stored after each key position (paper: N = 20)
-    index: str = "auto"  # auto | exact | ivf | scann (auto: exact for small stores, else ivf)
-    recall_target: float = 0.9  # ivf: nprobe is raised until recall@10 reaches this
+    index: str = "auto"  # auto | exact | ivf | ivfpq | scann (auto: exact if small, else ivf)
+    recall_target: float = 0.9  # ivf, ivfpq: nprobe is raised until recall@10 reaches this
     sample_max: int = 1_000_000  # the transform is fitted on at most this many positions ...
     sample_fraction: float = 0.05  # ... about this share of all positions ...
     sample_min: int = 50_000  # ... but at least this many (or all, for small corpora)
@@ -277,7 +277,7 @@ class _DenseBuild:
                                                               self.build.dir)
             files += sparse_files
             index_settings = {**index_settings, "sparse": sparse_settings}
-        if index_kind != "exact" and not self.config.keep_keys:
+        if key_index.KEYS_FILE not in files and not self.config.keep_keys:
             keys_path.unlink()  # the index holds the keys: do not store them twice
         elif key_index.KEYS_FILE not in files:
             files.append(key_index.KEYS_FILE)
