@@ -121,7 +121,7 @@ def measure(kind: str, keys_path: Path, folder: Path, queries: np.ndarray, own: 
     index = key_index.open_index(folder, settings)
     _, found = index.search(queries[:RECALL_QUERIES], 11)
     recall = np.mean([len(set(without(f, o)[:10]) & set(t)) / 10
-                      for f, o, t in zip(found, own, truth, strict=True)])
+                      for f, o, t in zip(found, own[:RECALL_QUERIES], truth, strict=True)])
     cpu_ms, wall_ms = [], []
     for query in queries:
         cpu, wall = time.thread_time(), time.perf_counter()
@@ -174,7 +174,7 @@ def main() -> None:
         for number, (source, n) in enumerate(sets or [("random unit", 1_000_000)]):
             keys_path = Path(work) / f"keys{number}.npy"
             keys, queries, own = key_set(source, n, keys_path)
-            truth = exact_top10(keys, queries[:RECALL_QUERIES], own)
+            truth = exact_top10(keys, queries[:RECALL_QUERIES], own[:RECALL_QUERIES])
             for kind in args.kinds:
                 row = measure(kind, keys_path, Path(work) / f"{kind}{number}", queries, own,
                               truth)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from tiny_targets import tiny_target, word_corpus
 
 from dresd.corpus import CorpusSpec
 from dresd.datastore import dense
 from dresd.datastore import index as key_index
 from dresd.datastore.format import read_manifest
-from dresd.models import Target, default_model_dir
 
 
 def unit_keys(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -85,18 +81,8 @@ def test_subquantizers_divide_the_dimensions():
 
 
 def test_dense_store_with_ivfpq_opens_and_searches(tmp_path):
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    target = Target(AutoModelForCausalLM.from_config(config).eval(), tokenizer, "tiny-pq")
-    rng = np.random.default_rng(0)
-    words = ["sea", "prime", "number", "python", "list", "poem", "wave", "code", "river", "sun"]
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"prompt": f"Question {i}",
-                                          "response": " ".join(rng.choice(words, 60))}) + "\n"
-                              for i in range(12)))
-    store = dense.build_dense(target, CorpusSpec([str(corpus)]), tmp_path / "store",
+    corpus = word_corpus(tmp_path / "corpus.jsonl")
+    store = dense.build_dense(tiny_target(), CorpusSpec([str(corpus)]), tmp_path / "store",
                               dense.DenseBuildConfig(pca_dim=16, index="ivfpq", chunk_tokens=256,
                                                      sample_min=100, sample_fraction=0.0),
                               progress=False)
@@ -109,7 +95,7 @@ def test_dense_store_with_ivfpq_opens_and_searches(tmp_path):
     # list, so that what is checked is the PQ scan and the exact re-ranking.
     opened.index.nprobe = opened.index.nlist
     keys = np.load(store / "keys.npy").astype(np.float32)
-    states = rng.normal(size=(20, 64)).astype(np.float32)
+    states = np.random.default_rng(0).normal(size=(20, 64)).astype(np.float32)
     queries = opened.transform.apply(states)
     # A random model over a repetitive corpus stores many equal keys, so ids tie: count a
     # found entry as right when its exact score reaches the exact 10th best score.

@@ -182,7 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--keep-states", action="store_true",
                        help="dense: also keep the raw fp16 hidden states (states.npy, "
                             "hidden size x 2 bytes per entry) for studies that refit the keys")
-    build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--threads", type=int, default=None,
+                       help="PyTorch threads (with --ray: per actor, default 1)")
+    build.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="dense: forward the chunks on Ray actors, each holding the model "
+                            "once; ADDRESS: a cluster's (none: $RAY_ADDRESS or a local Ray). "
+                            "Needs pip install 'dresd[ray]'")
+    build.add_argument("--ray-actors", type=int, default=None,
+                       help="with --ray: how many actors (default: the cluster's CPUs / threads)")
     _add_dtype_option(build)
     _add_device_option(build)
     build.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -639,10 +646,23 @@ def cmd_build(args: argparse.Namespace) -> int:
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens, keep_states=args.keep_states)
     target = load_target_from_args(args)
+    ray = ray_forward(args, target) if args.ray is not None else None
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
-                      with_sparse=args.kind == "dense,sparse")
+                      with_sparse=args.kind == "dense,sparse", ray=ray)
     print(out)
     return 0
+
+
+def ray_forward(args: argparse.Namespace, target: Target):
+    """`--ray`: actors that load --model in the dtype the driver's target has (so their keys
+    are the driver's), on --device of their own node."""
+    from functools import partial
+
+    from dresd.datastore.ray_build import RayForward
+
+    load = partial(load_target, args.model, dtype=dtype_name(target.dtype), device=args.device)
+    return RayForward(load, address=args.ray or None, actors=args.ray_actors,
+                      threads=args.threads or 1)
 
 
 def cmd_append(args: argparse.Namespace, spec: CorpusSpec) -> int:
