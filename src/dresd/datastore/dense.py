@@ -61,7 +61,7 @@ from dresd.datastore.sparse_store import KIND as SPARSE_KIND
 from dresd.datastore.sparse_store import kinds, write_sparse_part
 
 if TYPE_CHECKING:  # Ray is optional, and imported only by a build that uses it
-    from dresd.datastore.ray_build import ChunkJob, RayForward
+    from dresd.raypool import RayPool
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.fastpath import dtype_name
 from dresd.models import Target
@@ -176,15 +176,23 @@ def key_states(model: torch.nn.Module, docs: list[TokenizedDocument], starts: np
     return np.concatenate(states), np.concatenate(offsets)
 
 
+def chunk_states(target: Target, number: int, docs: list[TokenizedDocument], starts: np.ndarray,
+                 batch_tokens: int, pad_id: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(number, raw fp16 states, stream offsets) of one chunk's key positions: the job a build
+    runs for each chunk, here or on a Ray actor."""
+    raw, offsets = key_states(target.model, docs, starts, batch_tokens, pad_id)
+    return number, raw, offsets
+
+
 def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
                 config: DenseBuildConfig | None = None, progress: bool = True,
-                with_sparse: bool = False, ray: RayForward | None = None) -> Path:
+                with_sparse: bool = False, ray: RayPool | None = None) -> Path:
     """Build a dense datastore for `target` from the corpus `spec` into `out`; returns `out`.
 
     Resumes an unfinished build of the same plan in `out.partial`. With `with_sparse`, the
     same documents' suffix array (REST's sparse part, sparse_store.py) goes into the same
     folder, whose kind is then "dense,sparse". With `ray`, the chunks' forwards run on its
-    actors (ray_build.py); everything else, and the files written, are the same.
+    actors (raypool.py); everything else, and the files written, are the same.
     """
     config = config or DenseBuildConfig()
     context = getattr(target.model.config, "max_position_embeddings", None)
@@ -212,7 +220,7 @@ class _DenseBuild:
 
     def __init__(self, target: Target, spec: CorpusSpec, docs: list[TokenizedDocument],
                  config: DenseBuildConfig, out: str | Path, progress: bool,
-                 with_sparse: bool = False, ray: RayForward | None = None) -> None:
+                 with_sparse: bool = False, ray: RayPool | None = None) -> None:
         self.target, self.spec, self.docs, self.config = target, spec, docs, config
         self.progress, self.with_sparse, self.ray = progress, with_sparse, ray
         self.kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
@@ -303,29 +311,20 @@ class _DenseBuild:
                 bar.update(self._chunk_tokens(number))
             else:
                 todo.append(number)
+        jobs = [self.chunk_job(number) for number in todo]
         if self.ray is None:
-            results = (self.forward_chunk(number) for number in todo)
-        else:
-            jobs = [self.chunk_job(number) for number in todo]
-            results = self.ray.states(jobs, self.config.batch_tokens, self.pad_id)
+            results = (chunk_states(self.target, *job) for job in jobs)
+        else:  # in the order the actors finish: each chunk's files are its own
+            results = (result for _, result in self.ray.map_unordered(chunk_states, jobs))
         for number, raw, offsets in results:
             self.save_chunk(number, raw, offsets, transform)
             bar.update(self._chunk_tokens(number))
 
-    def chunk_job(self, number: int) -> ChunkJob:
-        """What an actor needs to forward chunk `number` (ray_build.py)."""
-        from dresd.datastore.ray_build import ChunkJob
-
+    def chunk_job(self, number: int) -> tuple:
+        """`chunk_states`'s arguments after the target, for chunk `number`."""
         docs = self.chunks[number].docs
-        return ChunkJob(number, [self.docs[n] for n in docs], self.doc_starts[docs])
-
-    def forward_chunk(self, number: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(number, raw fp16 states, stream offsets) of one chunk's key positions, forwarded
-        here."""
-        docs = self.chunks[number].docs
-        raw, offsets = key_states(self.model, [self.docs[n] for n in docs],
-                                  self.doc_starts[docs], self.config.batch_tokens, self.pad_id)
-        return number, raw, offsets
+        return (number, [self.docs[n] for n in docs], self.doc_starts[docs],
+                self.config.batch_tokens, self.pad_id)
 
     def save_chunk(self, number: int, raw: np.ndarray, offsets: np.ndarray,
                    transform: KeyTransform | None) -> None:
