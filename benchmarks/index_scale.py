@@ -59,7 +59,8 @@ def write_keys(path: Path, n: int, seed: int) -> np.ndarray:
 
 
 def keys_from_ivf_store(store: Path, path: Path) -> np.ndarray:
-    """The fp16 keys of an `ivf` store, read list by list from its index into a .npy file."""
+    """The fp16 keys of an `ivf` store, read list by list from its index into a .npy file (to
+    fp16 rounding of the residual plus centroid)."""
     import faiss
 
     index = faiss.read_index(str(store / key_index.IVF_FILE), faiss.IO_FLAG_MMAP_IFC)
@@ -71,7 +72,10 @@ def keys_from_ivf_store(store: Path, path: Path) -> np.ndarray:
         if size:
             codes = faiss.rev_swig_ptr(lists.get_codes(number), size * lists.code_size)
             ids = faiss.rev_swig_ptr(lists.get_ids(number), size)
-            keys[np.array(ids)] = np.array(codes).view(np.float16).reshape(size, index.d)
+            # The codes are fp16 residuals: key minus its list's centroid.
+            residuals = np.array(codes).view(np.float16).reshape(size, index.d)
+            centroid = index.quantizer.reconstruct(number)
+            keys[np.array(ids)] = residuals.astype(np.float32) + centroid
     keys.flush()
     return np.load(path, mmap_mode="r")
 
