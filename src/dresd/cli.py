@@ -169,10 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--pca-dim", type=int, default=64, help="key dimensions (default 64)")
     build.add_argument("--value-len", type=int, default=20,
                        help="tokens stored after each position (default 20)")
-    build.add_argument("--index", choices=["auto", "exact", "ivf", "scann"], default="auto",
-                       help="auto: exact search for small stores, FAISS IVF above")
+    build.add_argument("--index", choices=["auto", "exact", "ivf", "ivfpq", "scann"],
+                       default="auto", help="auto: exact search for small stores, FAISS IVF "
+                       "above; ivfpq: PQ codes + exact re-ranking on memory-mapped keys, for "
+                       "stores past RAM")
     build.add_argument("--recall-target", type=finite_float, default=0.9,
-                       help="ivf: nprobe is raised until recall@10 reaches this (default 0.9)")
+                       help="ivf, ivfpq: nprobe is raised until recall@10 reaches this "
+                       "(default 0.9)")
     build.add_argument("--chunk-tokens", type=int, default=65_536,
                        help="corpus tokens per resumable chunk")
     build.add_argument("--batch-tokens", type=int, default=8_192,
@@ -180,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--keep-states", action="store_true",
                        help="dense: also keep the raw fp16 hidden states (states.npy, "
                             "hidden size x 2 bytes per entry) for studies that refit the keys")
-    build.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    build.add_argument("--threads", type=int, default=None,
+                       help="PyTorch threads (with --ray: per actor, default 1)")
+    _add_ray_options(build, "dense: forward the chunks")
     _add_dtype_option(build)
     _add_device_option(build)
     build.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -204,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     regen.add_argument("--seed", type=seed_int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     regen.add_argument("--threads", type=int, default=None, help="PyTorch threads")
+    _add_ray_options(regen, "generate the batches")
     _add_dtype_option(regen)
     _add_device_option(regen)
     regen.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -645,10 +651,32 @@ def cmd_build(args: argparse.Namespace) -> int:
                               recall_target=args.recall_target, chunk_tokens=args.chunk_tokens,
                               batch_tokens=args.batch_tokens, keep_states=args.keep_states)
     target = load_target_from_args(args)
+    ray = ray_pool(args, target) if args.ray is not None else None
     out = build_dense(target, spec, args.out, config, progress=not args.quiet,
-                      with_sparse=args.kind == "dense,sparse")
+                      with_sparse=args.kind == "dense,sparse", ray=ray)
     print(out)
     return 0
+
+
+def _add_ray_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help=f"{what} on Ray actors, each holding the model once; ADDRESS: a "
+                        "cluster's (none: $RAY_ADDRESS or a local Ray). Needs "
+                        "pip install 'dresd[ray]'")
+    p.add_argument("--ray-actors", type=int, default=None,
+                   help="with --ray: how many actors (default: the cluster's CPUs / threads)")
+
+
+def ray_pool(args: argparse.Namespace, target: Target):
+    """`--ray`: actors that load --model in the dtype the driver's target has (so that their
+    forwards are the driver's), on --device of their own node."""
+    from functools import partial
+
+    from dresd.raypool import RayPool
+
+    load = partial(load_target, args.model, dtype=dtype_name(target.dtype), device=args.device)
+    return RayPool(load, address=args.ray or None, actors=args.ray_actors,
+                   threads=args.threads or 1)
 
 
 def cmd_append(args: argparse.Namespace, spec: CorpusSpec) -> int:
@@ -686,7 +714,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
                               seed=args.seed, limit=args.limit)
     read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
     target = load_target_from_args(args)
-    rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet)
+    ray = ray_pool(args, target) if args.ray is not None else None
+    rows = regenerate(target, args.corpus, args.out, config, progress=not args.quiet, ray=ray)
     print(f"{args.out}: {rows} responses")
     return 0
 

@@ -21,12 +21,16 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from dresd.corpus import CorpusError, format_prompt_ids, iter_jsonl
 from dresd.models import Target
+
+if TYPE_CHECKING:  # Ray is optional, and imported only by a run that uses it
+    from dresd.raypool import RayPool
 
 
 @dataclass
@@ -82,9 +86,10 @@ def read_prompt_rows(corpus: Path, config: RegenerateConfig) -> list[dict]:
 
 @torch.inference_mode()
 def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig,
-               progress: bool = True) -> int:
+               progress: bool = True, ray: RayPool | None = None) -> int:
     """Write the target's responses to the prompts of `corpus` into `out` (through
-    `out.partial`, resumed if it exists); returns the rows in `out`."""
+    `out.partial`, resumed if it exists); returns the rows in `out`. With `ray`, the batches
+    are generated on its actors (raypool.py) and written in order: the same file."""
     rows = read_prompt_rows(corpus, config)
     if out.exists():
         return _check_finished(out, corpus, len(rows))
@@ -97,7 +102,7 @@ def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig
         if done and progress:
             print(f"dresd: {done} of {len(rows)} responses already in {partial}; continuing",
                   file=sys.stderr)
-        _generate_rows(target, rows, done, f, config, progress)
+        _generate_rows(target, rows, done, f, config, progress, ray)
         os.replace(partial, out)  # every row is on disk: the output appears whole
     return len(rows)
 
@@ -133,41 +138,55 @@ def _resume_point(partial: Path, corpus: Path, total: int, batch_size: int) -> i
 
 
 def _generate_rows(target: Target, rows: list[dict], done: int, f, config: RegenerateConfig,
-                   progress: bool) -> None:
-    """Append the responses of rows[done:] to the open file `f`, a batch at a time."""
+                   progress: bool, ray: RayPool | None = None) -> None:
+    """Append the responses of rows[done:] to the open file `f`, a batch at a time (batches
+    generated here, or on the Ray actors and written in order)."""
+    bar = tqdm(total=len(rows), initial=done, unit="prompt", disable=not progress,
+               desc="dresd regenerate")
+    jobs = [(rows[start : start + config.batch_size], start, config)
+            for start in range(done, len(rows), config.batch_size)]
+    if ray is None:
+        batches = (response_lines(target, *job) for job in jobs)
+    else:
+        batches = ray.map(response_lines, jobs)
+    for (batch, _, _), lines in zip(jobs, batches, strict=True):
+        f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())  # a batch on disk before the next one starts
+        bar.update(len(batch))
+    bar.close()
+
+
+@torch.inference_mode()
+def response_lines(target: Target, batch: list[dict], start: int,
+                   config: RegenerateConfig) -> str:
+    """The output lines of one batch of prompt rows (`start`: the first row's number, which
+    seeds sampling, so that a resumed or distributed run samples what one run does)."""
     tokenizer, model = target.tokenizer, target.model
     eos = target.eos_token_ids
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
     options: dict = {"do_sample": False}
     if config.temperature > 0:
         options = {"do_sample": True, "temperature": config.temperature, "top_k": 0}
-    bar = tqdm(total=len(rows), initial=done, unit="prompt", disable=not progress,
-               desc="dresd regenerate")
-    for start in range(done, len(rows), config.batch_size):
-        batch = rows[start : start + config.batch_size]
-        prompts = [format_prompt_ids(tokenizer, r[config.prompt_field], config.format)
-                   for r in batch]
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends at the same column, where generation continues.
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        device = next(model.parameters()).device
-        if config.temperature > 0:  # seeded per batch: a resumed run samples what one run does
-            torch.manual_seed(config.seed * 1_000_003 + start)
-        output = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                max_new_tokens=config.max_new_tokens,
-                                eos_token_id=eos or None, pad_token_id=pad_id, **options)
-        lines = []
-        for row, new in zip(batch, output[:, width:].tolist(), strict=True):
-            if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)
-                new = new[: min(new.index(t) for t in eos if t in new)]
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            lines.append(json.dumps({**row, config.response_field: text}) + "\n")
-        f.write("".join(lines))
-        f.flush()
-        os.fsync(f.fileno())  # a batch on disk before the next one starts
-        bar.update(len(batch))
-    bar.close()
+    prompts = [format_prompt_ids(tokenizer, r[config.prompt_field], config.format)
+               for r in batch]
+    width = max(len(p) for p in prompts)
+    # Left padding: every prompt ends at the same column, where generation continues.
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    device = next(model.parameters()).device
+    if config.temperature > 0:
+        torch.manual_seed(config.seed * 1_000_003 + start)
+    output = model.generate(ids.to(device), attention_mask=mask.to(device),
+                            max_new_tokens=config.max_new_tokens,
+                            eos_token_id=eos or None, pad_token_id=pad_id, **options)
+    lines = []
+    for row, new in zip(batch, output[:, width:].tolist(), strict=True):
+        if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)
+            new = new[: min(new.index(t) for t in eos if t in new)]
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        lines.append(json.dumps({**row, config.response_field: text}) + "\n")
+    return "".join(lines)

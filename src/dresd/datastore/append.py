@@ -8,7 +8,7 @@ permanent), or any new documents. Nothing already stored is recomputed:
   with the store's own transform. It is not refitted: the stored keys stay valid as they are
   (a refit would mean keying every stored document again), and a few appended documents barely
   move a z-score and PCA fitted on thousands. The keys join the index (exact: `keys.npy` grows;
-  ivf: they are added to the trained lists, nlist and nprobe kept; scann: rebuilt from
+  ivf, ivfpq: they are added to the trained lists, nlist and nprobe kept; scann: rebuilt from
   `keys.npy`, so only a store built with its keys kept can grow); offsets, the token stream
   and the document bounds grow by the new documents'.
 - sparse part: the suffix array is built again over the stored documents followed by the new
@@ -198,7 +198,7 @@ def grow_index(folder: Path, staging: Path, settings: dict, keys: np.ndarray) ->
         grown.flush()
         files.append(key_index.KEYS_FILE)
     kind = settings["index"]
-    if kind == "ivf":  # new keys go to their nearest trained list; no retraining
+    if kind in ("ivf", "ivfpq"):  # new keys go to their nearest trained list; no retraining
         import faiss
 
         index = faiss.read_index(str(folder / key_index.IVF_FILE))

@@ -3,8 +3,8 @@
 Files in a dense datastore folder:
 
     transform.npz     the key transform (z-score, PCA, L2 norm; see transform.py)
-    keys.npy          fp16 [N, dim] keys (exact index; with `ivf` the index holds them)
-    index.faiss       the ANN index (ivf), or scann/ (scann)
+    keys.npy          fp16 [N, dim] keys (exact, and ivfpq's re-ranking; `ivf` holds them)
+    index.faiss       the ANN index (ivf, ivfpq), or scann/ (scann)
     offsets.npy       [N] for entry e, the position in the token stream of the token whose
                       hidden state is key e; its value is the next `value_len` tokens
     stream.npy        every corpus document's token ids, one after another (uint16 if the
@@ -33,6 +33,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -58,6 +59,9 @@ from dresd.datastore.format import (
 )
 from dresd.datastore.sparse_store import KIND as SPARSE_KIND
 from dresd.datastore.sparse_store import kinds, write_sparse_part
+
+if TYPE_CHECKING:  # Ray is optional, and imported only by a build that uses it
+    from dresd.raypool import RayPool
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.fastpath import dtype_name
 from dresd.models import Target
@@ -76,8 +80,8 @@ class DenseBuildConfig:
 
     pca_dim: int = 64  # key dimensions after PCA (paper: 64)
     value_len: int = 20  # tokens stored after each key position (paper: N = 20)
-    index: str = "auto"  # auto | exact | ivf | scann (auto: exact for small stores, else ivf)
-    recall_target: float = 0.9  # ivf: nprobe is raised until recall@10 reaches this
+    index: str = "auto"  # auto | exact | ivf | ivfpq | scann (auto: exact if small, else ivf)
+    recall_target: float = 0.9  # ivf, ivfpq: nprobe is raised until recall@10 reaches this
     sample_max: int = 1_000_000  # the transform is fitted on at most this many positions ...
     sample_fraction: float = 0.05  # ... about this share of all positions ...
     sample_min: int = 50_000  # ... but at least this many (or all, for small corpora)
@@ -172,14 +176,23 @@ def key_states(model: torch.nn.Module, docs: list[TokenizedDocument], starts: np
     return np.concatenate(states), np.concatenate(offsets)
 
 
+def chunk_states(target: Target, number: int, docs: list[TokenizedDocument], starts: np.ndarray,
+                 batch_tokens: int, pad_id: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(number, raw fp16 states, stream offsets) of one chunk's key positions: the job a build
+    runs for each chunk, here or on a Ray actor."""
+    raw, offsets = key_states(target.model, docs, starts, batch_tokens, pad_id)
+    return number, raw, offsets
+
+
 def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
                 config: DenseBuildConfig | None = None, progress: bool = True,
-                with_sparse: bool = False) -> Path:
+                with_sparse: bool = False, ray: RayPool | None = None) -> Path:
     """Build a dense datastore for `target` from the corpus `spec` into `out`; returns `out`.
 
     Resumes an unfinished build of the same plan in `out.partial`. With `with_sparse`, the
     same documents' suffix array (REST's sparse part, sparse_store.py) goes into the same
-    folder, whose kind is then "dense,sparse".
+    folder, whose kind is then "dense,sparse". With `ray`, the chunks' forwards run on its
+    actors (raypool.py); everything else, and the files written, are the same.
     """
     config = config or DenseBuildConfig()
     context = getattr(target.model.config, "max_position_embeddings", None)
@@ -194,7 +207,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     hidden_size = target.model.config.hidden_size
     if config.pca_dim > hidden_size:
         raise ValueError(f"--pca-dim {config.pca_dim} exceeds the hidden size {hidden_size}")
-    return _DenseBuild(target, spec, docs, config, out, progress, with_sparse).run()
+    return _DenseBuild(target, spec, docs, config, out, progress, with_sparse, ray).run()
 
 
 class _DenseBuild:
@@ -207,9 +220,9 @@ class _DenseBuild:
 
     def __init__(self, target: Target, spec: CorpusSpec, docs: list[TokenizedDocument],
                  config: DenseBuildConfig, out: str | Path, progress: bool,
-                 with_sparse: bool = False) -> None:
+                 with_sparse: bool = False, ray: RayPool | None = None) -> None:
         self.target, self.spec, self.docs, self.config = target, spec, docs, config
-        self.progress, self.with_sparse = progress, with_sparse
+        self.progress, self.with_sparse, self.ray = progress, with_sparse, ray
         self.kind = f"{KIND},{SPARSE_KIND}" if with_sparse else KIND
         self.model = target.model
         self.num_keys = sum(d.num_keys for d in docs)
@@ -245,10 +258,7 @@ class _DenseBuild:
         fit_chunks = [n for n, c in enumerate(self.chunks) if c.fit]
         other_chunks = [n for n, c in enumerate(self.chunks) if not c.fit]
         # 1. Fit chunks: forward a random sample of documents, keep their raw states.
-        for number in fit_chunks:
-            if not (self.build.chunk_done(number) or self._raw_path(number).exists()):
-                self.forward_chunk(number, transform=None)
-            bar.update(self._chunk_tokens(number))
+        self.forward_chunks(fit_chunks, None, bar)
         # 2. The transform, from the sample's running sums; then the sample's own keys.
         transform = self.fit_transform(fit_chunks)
         for number in fit_chunks:
@@ -258,10 +268,7 @@ class _DenseBuild:
                 if not self.config.keep_states:
                     self._raw_path(number).unlink()
         # 3. Every other chunk: forward, transform, write.
-        for number in other_chunks:
-            if not self.build.chunk_done(number):
-                self.forward_chunk(number, transform)
-            bar.update(self._chunk_tokens(number))
+        self.forward_chunks(other_chunks, transform, bar)
         bar.close()
         # 4. Join the chunks, write the values, build the index, finish.
         keys_path, offsets = self.join_chunks()
@@ -277,7 +284,7 @@ class _DenseBuild:
                                                               self.build.dir)
             files += sparse_files
             index_settings = {**index_settings, "sparse": sparse_settings}
-        if index_kind != "exact" and not self.config.keep_keys:
+        if key_index.KEYS_FILE not in files and not self.config.keep_keys:
             keys_path.unlink()  # the index holds the keys: do not store them twice
         elif key_index.KEYS_FILE not in files:
             files.append(key_index.KEYS_FILE)
@@ -293,12 +300,36 @@ class _DenseBuild:
         save_npy_atomic(self.build.chunk_path(number, "keys.npy"), keys.astype(np.float16))
         self.build.mark_chunk_done(number)  # only after its files are complete
 
-    def forward_chunk(self, number: int, transform: KeyTransform | None) -> None:
-        """Hidden states of one chunk's key positions: keys if `transform`, else raw states."""
-        chunk = self.chunks[number]
-        raw, offsets = key_states(self.model, [self.docs[n] for n in chunk.docs],
-                                  self.doc_starts[chunk.docs], self.config.batch_tokens,
-                                  self.pad_id)
+    def forward_chunks(self, numbers: list[int], transform: KeyTransform | None, bar) -> None:
+        """Forward the chunks `numbers` not saved yet (here, or on the Ray actors) and save each
+        as it is done: keys if `transform`, else raw states (fit chunks, before the transform)."""
+        todo = []
+        for number in numbers:
+            saved = self.build.chunk_done(number) or (transform is None
+                                                      and self._raw_path(number).exists())
+            if saved:  # by an earlier, interrupted run of this build
+                bar.update(self._chunk_tokens(number))
+            else:
+                todo.append(number)
+        jobs = [self.chunk_job(number) for number in todo]
+        if self.ray is None:
+            results = (chunk_states(self.target, *job) for job in jobs)
+        else:  # in the order the actors finish: each chunk's files are its own
+            results = (result for _, result in self.ray.map_unordered(chunk_states, jobs))
+        for number, raw, offsets in results:
+            self.save_chunk(number, raw, offsets, transform)
+            bar.update(self._chunk_tokens(number))
+
+    def chunk_job(self, number: int) -> tuple:
+        """`chunk_states`'s arguments after the target, for chunk `number`."""
+        docs = self.chunks[number].docs
+        return (number, [self.docs[n] for n in docs], self.doc_starts[docs],
+                self.config.batch_tokens, self.pad_id)
+
+    def save_chunk(self, number: int, raw: np.ndarray, offsets: np.ndarray,
+                   transform: KeyTransform | None) -> None:
+        """A forwarded chunk's files: keys if `transform`, else (and with `keep_states`) its raw
+        states."""
         save_npy_atomic(self.build.chunk_path(number, "offsets.npy"), offsets)
         if transform is None or self.config.keep_states:  # fit chunks wait for the transform
             save_npy_atomic(self._raw_path(number), raw)

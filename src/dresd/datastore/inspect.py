@@ -70,7 +70,7 @@ def format_description(f: dict) -> str:
     if "dense" in kinds:
         index = s.get("index")
         detail = f", nlist {s['nlist']}, nprobe {s['nprobe']}, recall@10 {s['recall_at_10']:.3f}" \
-            if index == "ivf" else ""
+            if index in ("ivf", "ivfpq") else ""
         lines.append(f"  keys: {s['pca_dim']} dims ({s['key_dtype']}) from hidden size "
                      f"{s['hidden_size']}; values: {s['value_len']} tokens; index: {index}{detail}")
         # Stores from before --dtype were all built in float32.
