@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 def os_error_message(err: OSError, args: argparse.Namespace) -> str:
     """One line for an operating-system error, with what to do about an unfinished output."""
     message = f"{err.strerror or err}: {err.filename}" if err.filename else str(err)
+    if err.errno is None and " requested and " in message:  # numpy's words for a short write
+        message = f"File too large or disk full: a write stopped short ({message})"
     out = getattr(args, "out", None)
     if args.command == "build" and out is not None:
         from dresd.datastore.format import partial_dir
