@@ -50,6 +50,7 @@ from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse import sparse_in_memory
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.drafters import RestDrafter
+from dresd.drafters.dense import distinct_drafts
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target, load_target
 from dresd.prompts import encode_prompt
@@ -270,14 +271,7 @@ def dense_drafts(store: StudyStore, ranked: np.ndarray, bonus: int, shape: Shape
         return prefix_tree_drafts(every, shape.max_nodes or 64)
     if shape.max_nodes is not None:
         return budget_in_rank_order(every, shape.max_nodes)
-    drafts: list[list[int]] = []
-    for values in every:  # the paper's shape: distinct drafts in rank order
-        draft = values.tolist()
-        if draft and draft not in drafts:
-            drafts.append(draft)
-            if len(drafts) == shape.num_drafts:
-                break
-    return drafts
+    return distinct_drafts(every, shape.num_drafts)  # the paper's shape
 
 
 # --- 4. the study ---------------------------------------------------------------------------------

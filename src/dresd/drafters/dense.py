@@ -64,6 +64,18 @@ from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target
 
 
+def distinct_drafts(every: list[np.ndarray], num_drafts: int) -> list[Draft]:
+    """The paper's shape: the first `num_drafts` distinct non-empty drafts, in rank order."""
+    drafts: list[Draft] = []
+    for values in every:
+        draft = values.tolist()
+        if draft and draft not in drafts:
+            drafts.append(draft)
+            if len(drafts) == num_drafts:
+                break
+    return drafts
+
+
 @dataclass
 class DenseDrafter:
     datastore: str  # folder of a dense datastore built for the target
@@ -118,14 +130,7 @@ class DenseDrafter:
         every = self.neighbour_drafts(context, draft_len)
         if self.max_tree_nodes is not None:
             return prefix_tree_drafts(every, self.max_tree_nodes)
-        drafts: list[Draft] = []
-        for values in every:
-            draft = values.tolist()
-            if draft and draft not in drafts:
-                drafts.append(draft)
-                if len(drafts) == self.num_drafts:
-                    break
-        return drafts
+        return distinct_drafts(every, self.num_drafts)
 
     def _learned_neighbours(self, state: np.ndarray, bonus: int, draft_len: int
                             ) -> list[np.ndarray]:
