@@ -20,7 +20,7 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 )
 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
-from dresd.calibrate import cost_at
+from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.drafters.base import DraftContext
 from dresd.drafters.hybrid import (
@@ -100,7 +100,7 @@ def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
     ([], {1: 1.0, 64: 1.0}, 0),
 ])
 def test_budget_maximises_expected_tokens_per_cost(reach, curve, expected):
-    assert best_budget(reach, curve) == expected
+    assert best_budget(reach, cost_table(curve, len(reach) + 1)) == expected
 
 
 class FixedBudget(HybridDrafter):

@@ -117,6 +117,11 @@ def load_or_measure(target: Target, force: bool = False, quiet: bool = False) ->
     return cost
 
 
+def cost_table(curve: dict[int, float], up_to: int) -> np.ndarray:
+    """cost(t) for t = 0 .. up_to (`cost_at`; t = 0 reads as 1), to index by tree size."""
+    return np.array([cost_at(curve, max(t, 1)) for t in range(up_to + 1)])
+
+
 def cost_at(curve: dict[int, float], size: int) -> float:
     """cost(size) from a measured curve: linear between points, the last slope beyond them."""
     sizes = sorted(curve)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dresd.calibrate import cost_at, load_or_measure
+from dresd.calibrate import cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.drafters.base import Draft, DraftContext
@@ -120,7 +120,7 @@ class CandidateTree:
     tokens: list[int] = field(default_factory=lambda: [-1])
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
-    sources: list[set[str]] = field(default_factory=lambda: [set()])
+    sources: list[tuple[str, ...]] = field(default_factory=lambda: [()])  # sorted names
     support: list[int] = field(default_factory=lambda: [0])  # dense neighbours through node
     votes: list[int] = field(default_factory=lambda: [0])  # candidates through node, any source
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
@@ -135,12 +135,13 @@ class CandidateTree:
                 self.tokens.append(int(token))
                 self.parents.append(node)
                 self.depths.append(self.depths[node] + 1)
-                self.sources.append(set())
+                self.sources.append(())
                 self.support.append(0)
                 self.votes.append(0)
                 self.children.append({})
                 self.children[node][int(token)] = child
-            self.sources[child].add(source)
+            if source not in self.sources[child]:
+                self.sources[child] = tuple(sorted((*self.sources[child], source)))
             self.support[child] += repeats if source == "dresd" else 0
             self.votes[child] += repeats
             node = child
@@ -151,16 +152,17 @@ class CandidateTree:
         return max(kids, key=lambda v: (self.votes[v], -v)) if kids else -1
 
     def cell(self, node: int, first: bool) -> Cell:
-        sources = self.sources[node]
-        names = tuple(sorted(sources)) if len(sources) > 1 else tuple(sources)
-        return names, support_bucket(self.support[node]), min(self.depths[node], 4), first
+        return (self.sources[node], support_bucket(self.support[node]),
+                min(self.depths[node], 4), first)
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
         """P(v) for every node: the probability that verification reaches it (root: 1)."""
         by_cell: dict[Cell, float] = {}  # many nodes share a cell: one lookup each
         reach = [1.0] * len(self.tokens)
-        for node in range(len(self.tokens)):  # parents come before children
-            kids = list(self.children[node].values())
+        for node, children in enumerate(self.children):  # parents come before children
+            if not children:
+                continue
+            kids = list(children.values())
             top = self.first_child(node)
             p = []
             for kid in kids:
@@ -168,7 +170,7 @@ class CandidateTree:
                 if cell not in by_cell:
                     by_cell[cell] = table.probability(cell)
                 p.append(by_cell[cell])
-            scale = min(1.0, 1.0 / sum(p)) if p else 1.0  # siblings are exclusive
+            scale = min(1.0, 1.0 / sum(p))  # siblings are exclusive
             for kid, pk in zip(kids, p, strict=True):
                 reach[kid] = reach[node] * pk * scale
         return reach
@@ -208,16 +210,12 @@ def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int
     return dict(kept)
 
 
-def best_budget(reach: list[float], cost: dict[int, float]) -> int:
-    """n* = argmax_n (1 + sum of the n largest reach probabilities) / cost(n + 1)."""
-    ranked = sorted(reach, reverse=True)
-    best_n, best_ratio, expected = 0, 1.0 / cost_at(cost, 1), 1.0
-    for n, p in enumerate(ranked, start=1):
-        expected += p
-        ratio = expected / cost_at(cost, n + 1)
-        if ratio > best_ratio:
-            best_n, best_ratio = n, ratio
-    return best_n
+def best_budget(reach: list[float], costs: np.ndarray) -> int:
+    """n* = argmax_n (1 + sum of the n largest reach probabilities) / cost(n + 1), with
+    costs[t] = cost(t) (`cost_table`); on ties the smaller tree."""
+    ranked = np.sort(np.asarray(reach, dtype=np.float64))[::-1]
+    expected = 1.0 + np.concatenate(([0.0], np.cumsum(ranked)))  # n = 0, 1, ...
+    return int(np.argmax(expected / costs[1 : len(ranked) + 2]))
 
 
 @dataclass
@@ -234,6 +232,7 @@ class HybridDrafter:
     learn: bool | None = None
     name: str = "hybrid"
     table: AcceptanceTable = field(init=False, repr=False)
+    costs: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
     sources: dict = field(init=False, repr=False)
     # the previous step: (candidate tree, context length, the context's last 16 tokens)
     last: tuple | None = field(default=None, init=False, repr=False)
@@ -296,7 +295,9 @@ class HybridDrafter:
 
     def choose_budget(self, ranked_reach: list[float]) -> int:
         """How many of the candidates (most probable first) this step verifies."""
-        return best_budget(ranked_reach, self.cost)
+        if len(self.costs) < len(ranked_reach) + 2:  # cost(t) for every tree size up to here
+            self.costs = cost_table(self.cost, max(len(ranked_reach), self.max_tree_nodes) + 1)
+        return best_budget(ranked_reach, self.costs)
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: the sources that learn from outputs (see `learn`) take it."""
