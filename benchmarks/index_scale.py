@@ -22,6 +22,11 @@ then being QUERIES of its own keys, each one's own entry left out of its neighbo
     python benchmarks/index_scale.py --entries 100000 --entries 1000000
     python benchmarks/index_scale.py --entries 1000000 \\
         --from-store ~/.cache/dresd/datastores/stdlib-1m
+    python benchmarks/index_scale.py --entries 10000000 \\
+        --resampled-from ~/.cache/dresd/datastores/stdlib-1m --out results/index_scale_10m
+
+Past a real store's size, `--resampled-from` makes keys with its cluster structure
+(`write_resampled_keys`): the 10M point of `results/scale.md`.
 """
 
 from __future__ import annotations
@@ -80,12 +85,42 @@ def keys_from_ivf_store(store: Path, path: Path) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
+def write_resampled_keys(store: Path, path: Path, n: int, seed: int) -> np.ndarray:
+    """n keys shaped like a real store's, past its size: each a random real key of the `ivf`
+    store plus Gaussian noise whose expected norm is the median distance from a real key to its
+    nearest other key. So every real neighbourhood holds n / N copies, each as far from its
+    origin as real neighbours are from each other: the clusters of the real keys at n / N times
+    their density. An assumption, stated as one: real stores need not grow that way."""
+    real_path = path.with_name(path.stem + "-real.npy")
+    real = keys_from_ivf_store(store, real_path)
+    rng = np.random.default_rng(seed)
+    sample = rng.choice(len(real), 500, replace=False)
+    nearest = exact_top10(real, np.asarray(real[sample], dtype=np.float32), sample)[:, 0]
+    gaps = np.linalg.norm(np.asarray(real[nearest], np.float32)
+                          - np.asarray(real[sample], np.float32), axis=1)
+    sigma = float(np.median(gaps)) / np.sqrt(DIM)  # E||noise|| ~ sigma sqrt(DIM)
+    keys = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(n, DIM))
+    for start in range(0, n, BLOCK):
+        rows = rng.integers(0, len(real), min(BLOCK, n - start))
+        block = np.asarray(real[np.sort(rows)], dtype=np.float32)
+        keys[start : start + len(rows)] = block + rng.normal(0, sigma, block.shape)
+    keys.flush()
+    del real
+    real_path.unlink()
+    return np.load(path, mmap_mode="r")
+
+
 def key_set(source: str, n: int, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys memory-mapped from `path`, queries, each query's own id or -1): n random unit
-    keys and fresh random queries, or a store's keys and a seeded sample of them as queries."""
+    keys and fresh random queries; or a store's keys (n = 0) or n keys resampled from them
+    (`write_resampled_keys`), with a seeded sample of those keys as queries."""
     if source == "random unit":
         keys = write_keys(path, n, seed=0)
         return keys, unit_rows(np.random.default_rng(1), QUERIES), np.full(QUERIES, -1)
+    if n:
+        keys = write_resampled_keys(Path(source).expanduser(), path, n, seed=0)
+        own = np.sort(np.random.default_rng(1).choice(len(keys), QUERIES, replace=False))
+        return keys, np.asarray(keys[own], dtype=np.float32), own
     keys = keys_from_ivf_store(Path(source).expanduser(), path)
     own = np.sort(np.random.default_rng(1).choice(len(keys), QUERIES, replace=False))
     return keys, np.asarray(keys[own], dtype=np.float32), own
@@ -164,6 +199,9 @@ def main() -> None:
     parser.add_argument("--entries", type=int, action="append", help="store sizes (repeatable)")
     parser.add_argument("--from-store", type=Path, action="append",
                         help="also the keys of this ivf store (repeatable)")
+    parser.add_argument("--resampled-from", type=Path, default=None,
+                        help="the --entries sizes as keys resampled from this ivf store's, "
+                             "instead of random unit keys")
     parser.add_argument("--kinds", nargs="+", default=["ivf", "ivfpq"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/index_scale"))
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: tmp)")
@@ -173,7 +211,8 @@ def main() -> None:
     faiss.omp_set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.work) as work:
-        sets = [("random unit", n) for n in args.entries or []]
+        sizes_from = str(args.resampled_from) if args.resampled_from else "random unit"
+        sets = [(sizes_from, n) for n in args.entries or []]
         sets += [(str(store), 0) for store in args.from_store or []]
         for number, (source, n) in enumerate(sets or [("random unit", 1_000_000)]):
             keys_path = Path(work) / f"keys{number}.npy"
@@ -182,7 +221,8 @@ def main() -> None:
             for kind in args.kinds:
                 row = measure(kind, keys_path, Path(work) / f"{kind}{number}", queries, own,
                               truth)
-                row["keys"] = source
+                row["keys"] = (source if n == 0 or source == "random unit"
+                               else f"{Path(source).name}, resampled")
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del keys

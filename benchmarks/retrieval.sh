@@ -8,7 +8,9 @@
 #   1. ID corpus: the model's own greedy answers to all 7,473 GSM8K train questions (batched)
 #   2. stores, built with --keep-states so that the study refits keys without new forwards:
 #      gsm8k-id-all (the ID corpus), gsm8k-ood (the dataset's own answers, first $OOD_DOCS),
-#      stdlib-1m (the first $STDLIB_FILES files of the standard library, ~1M tokens)
+#      stdlib-1m (the first $STDLIB_FILES files of the standard library, ~1M tokens) and
+#      stdlib-all (all of it, ~9.5M tokens: ~2.6 h of one core; resumable by chunk, so the
+#      same command goes on where a stopped build left off)
 #   3. the study: GSM8K test (first 100) on the ID and OOD stores, HumanEval on stdlib-1m
 #   4. the summary: results/retrieval/README.md and scaling.png
 # Build times on this 2-core machine: ~1,000 bf16 tokens/s per core for a dense build, ~250
@@ -39,7 +41,9 @@ $DRESD corpus regenerate --model default --corpus "$DATA/gsm8k/train.jsonl" "${G
     --out "$STORES/gsm8k-ood"
 [ -f "$STORES/stdlib-1m/manifest.json" ] || $DRESD "${BUILD[@]}" --corpus stdlib \
     --limit "$STDLIB_FILES" --out "$STORES/stdlib-1m"
-for store in gsm8k-id-all gsm8k-ood stdlib-1m; do $DRESD inspect "$STORES/$store"; done
+[ -f "$STORES/stdlib-all/manifest.json" ] || $DRESD "${BUILD[@]}" --corpus stdlib \
+    --out "$STORES/stdlib-all"
+for store in gsm8k-id-all gsm8k-ood stdlib-1m stdlib-all; do $DRESD inspect "$STORES/$store"; done
 
 # 3. The study (AR outputs are cached in results/retrieval/ar-<dataset>-<limit>.json).
 STUDY=(.venv/bin/python benchmarks/retrieval_study.py --limit 100 --max-new-tokens 128)
@@ -47,6 +51,8 @@ STUDY=(.venv/bin/python benchmarks/retrieval_study.py --limit 100 --max-new-toke
 "${STUDY[@]}" --store "$STORES/gsm8k-ood" --dataset gsm8k --name gsm8k-ood
 "${STUDY[@]}" --store "$STORES/stdlib-1m" --dataset humaneval --name humaneval-stdlib \
     --ablations
+"${STUDY[@]}" --store "$STORES/stdlib-all" --dataset humaneval --name humaneval-stdlib-all \
+    --sizes 1000000,3000000,0
 
 # 4. Tables and the plot.
 .venv/bin/python benchmarks/retrieval_summary.py
