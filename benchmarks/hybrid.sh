@@ -2,10 +2,11 @@
 # `hybrid` against every single method, one interleaved run per prompt set, on the fast path
 # (--dtype auto), default model, greedy, 128 new tokens, 1 thread.
 #
-#   bash benchmarks/hybrid.sh            (after benchmarks/fast_path.sh built the GSM8K ID store)
+#   bash benchmarks/hybrid.sh            (after benchmarks/retrieval.sh built gsm8k-id-all)
 #
-# Stores: gsm8k-id (fast_path.sh), stdlib (the first 20 standard-library files) and all (both
-# corpora in one store, for MT-Bench). The single methods run at the shapes that paid best on
+# Stores: gsm8k-id-all (retrieval.sh: the model's own answers to all 7,473 GSM8K train
+# questions, 1.59M tokens), stdlib (the first 20 standard-library files) and all (both corpora
+# in one store, for MT-Bench, whose 80 first turns are 10 per category). The single methods run at the shapes that paid best on
 # this CPU (benchmarks/results/fast_path/); hybrid picks its own tree at every step from the
 # verify-cost curve that `dresd calibrate` measured. Reports: benchmarks/results/hybrid/<set>/.
 set -euo pipefail
@@ -31,7 +32,7 @@ bench() {  # bench SET STORE DATASET LIMIT
         --datastore "$STORES/$2" --dataset "$3" --limit "$4" --max-new-tokens 128 \
         --threads 1 --out "$RESULTS/$1" > "$RESULTS/$1.log" 2>&1
 }
-bench gsm8k-id gsm8k-id gsm8k 30
+bench gsm8k-id gsm8k-id-all gsm8k 30
 bench humaneval-stdlib stdlib humaneval 20
 bench humaneval-typehints stdlib humaneval-typehints 16
-bench mt-bench all mt_bench 48
+bench mt-bench all mt_bench 80

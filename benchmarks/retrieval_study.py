@@ -3,6 +3,7 @@ neighbour ranking, value length and index, each against REST on the same store a
 
     python benchmarks/retrieval_study.py --store STORE --dataset gsm8k --limit 100 \
         --name gsm8k-id [--ablations] [--sizes 10000,30000,...]
+        [--variants 'IVF-PQ at recall 0.9']   (add variants to a finished study)
 
 STORE must be built with `dresd build --kind dense,sparse --keep-states`: its raw hidden states
 let every variant refit its own keys without a new forward. Each variant is replayed, not run:
@@ -146,7 +147,7 @@ class KeySet:
     positions: str = "all"  # all | response
     template: str = "kept"  # kept | dedup | dropped: the shared template prefix's keys
     pca: int | None = 64  # None: z-score and L2 norm only (the full hidden size)
-    index: str = "exact"  # exact | ivf (at the build's recall target, 0.9)
+    index: str = "exact"  # exact | ivf | ivfpq (at the build's recall target, 0.9)
 
 
 @dataclass
@@ -185,9 +186,11 @@ def make_keys(store: StudyStore, spec: KeySet, response_starts: np.ndarray | Non
     if spec.index == "exact":
         index = key_index.ExactIndex(keys)
     else:
-        folder = work / "ivf"
+        folder = work / spec.index
         folder.mkdir(parents=True, exist_ok=True)
-        index = key_index.open_index(folder, key_index.build_ivf(keys, folder))
+        if spec.index == "ivfpq":  # its exact re-ranking reads the fp16 keys from here
+            np.save(folder / key_index.KEYS_FILE, keys)
+        index = key_index.open_index(folder, key_index.build_index(spec.index, keys, folder))
     return Keys(entries, index, transform, num_docs)
 
 
@@ -320,17 +323,21 @@ def scaling(store, refs, sizes, ctx) -> list[dict]:
     return rows
 
 
-def ablations(store, refs, size, response_starts, ctx) -> dict:
-    """One change at a time from the default keys and shape, on the same store and prompts."""
+def ablations(store, refs, size, response_starts, ctx, only: list[str] | None = None) -> dict:
+    """One change at a time from the default keys and shape, on the same store and prompts
+    (`only`: just the key variants of these names)."""
     base = KeySet(size)
     key_variants = {"default (all positions, template kept, PCA 64, exact)": base,
                     "template deduplicated": replace(base, template="dedup"),
                     "template dropped": replace(base, template="dropped"),
                     "PCA 32": replace(base, pca=32), "PCA 128": replace(base, pca=128),
                     "no PCA (z-score + L2)": replace(base, pca=None),
-                    "IVF at recall 0.9": replace(base, index="ivf")}
+                    "IVF at recall 0.9": replace(base, index="ivf"),
+                    "IVF-PQ at recall 0.9": replace(base, index="ivfpq")}
     if response_starts is not None:
         key_variants["response positions only"] = replace(base, positions="response")
+    if only:
+        key_variants = {name: key_variants[name] for name in only}
     shape_variants = [DRESD_DEFAULT, Shape(k=10), Shape(k=200),
                       Shape(draft_len=5), Shape(draft_len=20),
                       *[Shape(max_nodes=b) for b in BUDGETS],
@@ -360,6 +367,9 @@ def main() -> None:
                         help="store sizes in corpus tokens (0: the whole store)")
     parser.add_argument("--ablations", action="store_true", help="also the ablations")
     parser.add_argument("--ablation-size", type=int, default=0, help="0: the whole store")
+    parser.add_argument("--variants", default=None,
+                        help="only these ablation key variants (names as in the table, comma-"
+                             "separated), merged into an existing NAME.json; no scaling rerun")
     parser.add_argument("--name", required=True, help="results/retrieval/NAME.json")
     parser.add_argument("--references-only", action="store_true",
                         help="only compute (and cache) AR's outputs for the prompts")
@@ -380,17 +390,23 @@ def main() -> None:
     # Sizes that round to the same documents are one size.
     sizes = sorted({int(store.doc_starts[store.docs_for_size(min(int(s), total) or total)])
                     for s in args.sizes.split(",")})
-    result = {"store": str(args.store), "store_tokens": total, "dataset": args.dataset,
-              "prompts": len(refs), "tokens": tokens, "dtype": str(target.dtype),
-              "threads": 1, "ar_ms_per_token": 1e3 * step_seconds,
-              "verify_cost_curve": curve, "scaling": scaling(store, refs, sizes, ctx)}
-    if args.ablations:
+    out = RESULTS / f"{args.name}.json"
+    only = args.variants.split(",") if args.variants else None
+    if only:  # a few variants added to a finished study of the same store and prompts
+        result = json.loads(out.read_text())
+    else:
+        result = {"store": str(args.store), "store_tokens": total, "dataset": args.dataset,
+                  "prompts": len(refs), "tokens": tokens, "dtype": str(target.dtype),
+                  "threads": 1, "ar_ms_per_token": 1e3 * step_seconds,
+                  "verify_cost_curve": curve, "scaling": scaling(store, refs, sizes, ctx)}
+    if args.ablations or only:
         starts = None
         if store.manifest.corpus[0]["path"].endswith(".jsonl"):  # prompt/response pairs
             starts = store.response_starts(target.tokenizer)
-        result["ablations"] = ablations(store, refs, args.ablation_size or total, starts, ctx)
+        found = ablations(store, refs, args.ablation_size or total, starts, ctx, only)
+        result["ablations"] = {**result.get("ablations", {}), **found}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written {RESULTS / args.name}.json")
 
 
