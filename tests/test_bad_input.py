@@ -59,10 +59,15 @@ def commands_reading(path, tiny, out) -> dict[str, list]:
     }
 
 
+def no_model_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the input file was checked")
+
+
 @pytest.mark.parametrize("case", list(BAD_FILES))
-def test_bad_jsonl_files(tiny, tmp_path, case, capsys):
+def test_bad_jsonl_files(tiny, tmp_path, case, capsys, monkeypatch):
     path = tmp_path / "input.jsonl"
     path.write_bytes(BAD_FILES[case])
+    monkeypatch.setattr("dresd.cli.load_target", no_model_load)  # every input check comes first
     for argv in commands_reading(path, tiny, tmp_path).values():
         code, err = run_main(capsys, *argv)
         assert_one_line_error(code, err, "input.jsonl")

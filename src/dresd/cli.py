@@ -24,6 +24,7 @@ from dresd.corpus import (
     CorpusSpec,
     iter_jsonl,
     output_row,
+    read_documents,
     save_output,
 )
 from dresd.datastore.format import DatastoreError
@@ -641,6 +642,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     spec = corpus_spec_from_args(args)
     if not 0 < args.recall_target <= 1:
         raise UserError(f"--recall-target must be in (0, 1], got {args.recall_target}")
+    read_documents(spec)  # a malformed corpus fails before the model loads (text only: cheap)
     if args.append:
         return cmd_append(args, spec)
     args.kind = args.kind or "dense"
