@@ -24,7 +24,7 @@ mkdir -p "$RESULTS"
     --corpus "$WORK/corpora/gsm8k-train-id.jsonl" --corpus stdlib --prompt-field question \
     --response-field answer --max-doc-tokens 1024 --limit 1044 --out "$STORES/all" \
     --threads 1 --quiet
-$DRESD calibrate --threads 1
+$DRESD calibrate --threads 1 --force  # measured afresh: run this script on a quiet machine
 
 METHODS=${METHODS:-'ar,pld,suffix,rest[max_tree_nodes=4],dresd[max_tree_nodes=4],hybrid'}
 bench() {  # bench SET STORE DATASET LIMIT
@@ -36,3 +36,4 @@ bench gsm8k-id gsm8k-id-all gsm8k 30
 bench humaneval-stdlib stdlib humaneval 20
 bench humaneval-typehints stdlib humaneval-typehints 16
 bench mt-bench all mt_bench 80
+.venv/bin/python benchmarks/hybrid_summary.py
