@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/retrieval.sh        (from the repository root, after `make model`)
 #
-# Steps (each skipped when its output exists, so the script resumes):
+# Steps (each skipped when its output exists, so the script resumes where it stopped):
 #   1. ID corpus: the model's own greedy answers to all 7,473 GSM8K train questions (batched)
 #   2. stores, built with --keep-states so that the study refits keys without new forwards:
 #      gsm8k-id-all (the ID corpus), gsm8k-ood (the dataset's own answers, first $OOD_DOCS),
@@ -45,14 +45,19 @@ $DRESD corpus regenerate --model default --corpus "$DATA/gsm8k/train.jsonl" "${G
     --out "$STORES/stdlib-all"
 for store in gsm8k-id-all gsm8k-ood stdlib-1m stdlib-all; do $DRESD inspect "$STORES/$store"; done
 
-# 3. The study (AR outputs are cached in results/retrieval/ar-<dataset>-<limit>.json).
+# 3. The study (AR outputs are cached in results/retrieval/ar-<dataset>-<limit>.json; a study
+#    whose results/retrieval/NAME.json exists is skipped: delete it to rerun).
 STUDY=(.venv/bin/python benchmarks/retrieval_study.py --limit 100 --max-new-tokens 128)
-"${STUDY[@]}" --store "$STORES/gsm8k-id-all" --dataset gsm8k --name gsm8k-id --ablations
-"${STUDY[@]}" --store "$STORES/gsm8k-ood" --dataset gsm8k --name gsm8k-ood
-"${STUDY[@]}" --store "$STORES/stdlib-1m" --dataset humaneval --name humaneval-stdlib \
-    --ablations
-"${STUDY[@]}" --store "$STORES/stdlib-all" --dataset humaneval --name humaneval-stdlib-all \
-    --sizes 1000000,3000000,0
+study() {  # study NAME STORE DATASET [OPTIONS...]
+    local name=$1 store=$2 dataset=$3
+    shift 3
+    [ -f "benchmarks/results/retrieval/$name.json" ] || "${STUDY[@]}" --store "$STORES/$store" \
+        --dataset "$dataset" --name "$name" "$@"
+}
+study gsm8k-id gsm8k-id-all gsm8k --ablations
+study gsm8k-ood gsm8k-ood gsm8k
+study humaneval-stdlib stdlib-1m humaneval --ablations
+study humaneval-stdlib-all stdlib-all humaneval --sizes 1000000,3000000,0
 
 # 4. Tables and the plot.
 .venv/bin/python benchmarks/retrieval_summary.py
