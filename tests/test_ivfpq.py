@@ -103,3 +103,26 @@ def test_dense_store_with_ivfpq_opens_and_searches(tmp_path):
     found = [keys[opened.search(s, 10)] @ q for s, q in zip(states, queries, strict=True)]
     hits = [np.mean(f >= t - 1e-3) for f, t in zip(found, tenth, strict=True)]
     assert np.mean(hits) >= 0.9
+
+
+def test_repeated_keys_do_not_push_nprobe_to_every_list(tmp_path):
+    """A fifth of a chat store's keys are the template's, equal in every document. Among equal
+    keys which ids exact search lists is arbitrary, so a recall counted by id stays low however
+    many lists are probed; the nprobe rule counts a neighbour scoring as high as the 10th true
+    one as found, and so stops where a store without repeats would."""
+    rng = np.random.default_rng(1)
+    distinct = unit_keys(4_000, 64, seed=2)
+    template = distinct[rng.choice(len(distinct), 40, replace=False)]  # 40 positions, 25 copies
+    keys = np.concatenate([distinct, np.repeat(template, 25, axis=0)])[rng.permutation(5_000)]
+    np.save(tmp_path / key_index.KEYS_FILE, keys)
+    mapped = np.load(tmp_path / key_index.KEYS_FILE, mmap_mode="r")
+    settings = key_index.build_index("ivfpq", mapped, tmp_path, recall_target=0.9)
+    assert settings["recall_at_10"] >= 0.9
+    assert settings["nprobe"] < settings["nlist"]
+    # and on the same keys, exact search's own answer scores as recall 1
+    query = np.asarray(template[:1], dtype=np.float32)[0]
+    top = exact_top(keys, query[None, :], 10)[0]
+    least = float((keys[top].astype(np.float32) @ query).min())
+    copies = np.flatnonzero((keys == template[0]).all(axis=1))
+    others = [int(i) for i in copies if i not in set(top.tolist())][:10]
+    assert key_index._hits(keys, query, np.array(others), set(top.tolist()), least) == len(others)
