@@ -127,17 +127,8 @@ def key_set(source: str, n: int, path: Path) -> tuple[np.ndarray, np.ndarray, np
 
 
 def exact_top10(keys: np.ndarray, queries: np.ndarray, own: np.ndarray) -> np.ndarray:
-    """Exact top 10 ids by inner product, each query's `own` id left out (-1: none), the keys
-    scanned in blocks (bounded memory)."""
-    best_scores = np.full((len(queries), 11), -np.inf, dtype=np.float32)
-    best_ids = np.full((len(queries), 11), -1, dtype=np.int64)
-    for start in range(0, len(keys), BLOCK):
-        scores, ids = key_index.ExactIndex(keys[start : start + BLOCK]).search(queries, 11)
-        all_scores = np.concatenate([best_scores, scores], axis=1)
-        all_ids = np.concatenate([best_ids, ids + start], axis=1)
-        order = np.argsort(-all_scores, axis=1)[:, :11]
-        best_scores = np.take_along_axis(all_scores, order, axis=1)
-        best_ids = np.take_along_axis(all_ids, order, axis=1)
+    """Exact top 10 ids by inner product, each query's `own` id left out (-1: none)."""
+    _, best_ids = key_index.exact_neighbours(keys, queries, 11, BLOCK)
     return np.array([without(row, o)[:10] for row, o in zip(best_ids, own, strict=True)])
 
 

@@ -219,23 +219,30 @@ class ReRankedIndex:
                                                                              axis=1)
 
 
+def exact_neighbours(keys: np.ndarray, queries: np.ndarray, k: int,
+                     block: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, ids) of each query's k nearest keys by exact inner product, best first; the
+    keys (fp16, possibly a memory map larger than RAM) scanned a block at a time."""
+    best_scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    best_ids = np.full((len(queries), k), -1, dtype=np.int64)
+    for start in range(0, len(keys), block):
+        rows = np.asarray(keys[start : start + block], dtype=np.float32)
+        scores, ids = ExactIndex(rows).search(queries, k)
+        merged_scores = np.concatenate([best_scores, scores], axis=1)
+        merged_ids = np.concatenate([best_ids, ids + start], axis=1)
+        order = np.argsort(-merged_scores, axis=1, kind="stable")[:, :k]
+        best_scores = np.take_along_axis(merged_scores, order, axis=1)
+        best_ids = np.take_along_axis(merged_ids, order, axis=1)
+    return best_scores, best_ids
+
+
 def _choose_nprobe(index, keys: np.ndarray, target: float,
                    rng: np.random.Generator) -> tuple[int, float]:
     n = len(keys)
     sample = np.sort(rng.choice(n, size=min(n, RECALL_SAMPLE), replace=False))
     queries = np.asarray(keys[sample], dtype=np.float32)
     k = min(RECALL_AT + 1, n)
-    # Exact neighbours, scanning the keys in blocks so that memory stays bounded.
-    best_scores = np.full((len(sample), k), -np.inf, dtype=np.float32)
-    best_ids = np.full((len(sample), k), -1, dtype=np.int64)
-    for start in range(0, n, 1 << 18):
-        block = np.asarray(keys[start : start + (1 << 18)], dtype=np.float32)
-        scores, ids = ExactIndex(block).search(queries, k)
-        merged_scores = np.concatenate([best_scores, scores], axis=1)
-        merged_ids = np.concatenate([best_ids, ids + start], axis=1)
-        order = np.argsort(-merged_scores, axis=1, kind="stable")[:, :k]
-        best_scores = np.take_along_axis(merged_scores, order, axis=1)
-        best_ids = np.take_along_axis(merged_ids, order, axis=1)
+    best_scores, best_ids = exact_neighbours(keys, queries, k)
     # Each query's own entry left out: its k - 1 nearest others, and the score of the last one.
     others = [row[row != q][: k - 1] for row, q in zip(best_ids, sample, strict=True)]
     floor = np.array([scores[row != q][: k - 1][-1] if len(t) else np.inf
