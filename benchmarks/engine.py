@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from dresd.calibrate import random_tree
+from dresd.calibrate import random_tree, timed_verify
 from dresd.datasets import type_hint_prompts
 from dresd.decoding.generate import target_forward
 from dresd.fastpath import INVARIANT_ATTENTION, PackedLinear, dtype_name, native_bf16_flags
@@ -101,13 +101,7 @@ def engine_costs(context_len: int, repeats: int) -> dict:
         for size in TREE_SIZES:
             tree = random_tree(size, vocab, rng)
             for name, model in models.items():
-                dtype = ENGINES[name][0]
-                mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype)
-                started = perf_counter()
-                target_forward(model, tree.input_ids(), caches[name],
-                               tree.position_ids(context_len), mask)
-                elapsed = perf_counter() - started
-                caches[name].crop(-size)
+                elapsed = timed_verify(model, caches[name], tree, context_len)
                 if repeat > 0:  # the first round is a warm-up
                     times[(name, size)].append(elapsed)
     table = {}

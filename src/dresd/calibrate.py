@@ -68,23 +68,33 @@ def measure_verify_seconds(model: torch.nn.Module, sizes: tuple[int, ...] = TREE
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     cache = DynamicCache(config=model.config)
     target_forward(model, torch.tensor([rng.integers(vocab, size=context_len).tolist()],
                                        device=device), cache)
     times: dict[int, list[float]] = {size: [] for size in sizes}
     for repeat in range(repeats + 1):
         for size in sizes:
-            tree = random_tree(size, vocab, rng)
-            ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)
-            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype, device)
-            started = clock(device)
-            target_forward(model, ids, cache, positions, mask)
-            elapsed = clock(device) - started
-            cache.crop(-size)
+            elapsed = timed_verify(model, cache, random_tree(size, vocab, rng), context_len)
             if repeat > 0:  # the first round is a warm-up
                 times[size].append(elapsed)
     return {size: statistics.median(t) for size, t in times.items()}
+
+
+def timed_verify(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree,
+                 context_len: int) -> float:
+    """Seconds of one forward over `tree` on `cache`, which holds `context_len` tokens and is
+    cropped back to them afterwards."""
+    from dresd.decoding.generate import target_forward  # it imports the drafters: this one too
+
+    parameter = next(model.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)
+    mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype, device)
+    started = clock(device)
+    target_forward(model, ids, cache, positions, mask)
+    elapsed = clock(device) - started
+    cache.crop(-len(tree))
+    return elapsed
 
 
 def curve_path(target: Target) -> Path:
