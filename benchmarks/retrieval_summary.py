@@ -97,21 +97,35 @@ def ablation_table(name: str, result: dict) -> list[str]:
     return lines + [""]
 
 
+def panels(results: dict[str, dict]) -> dict[str, list[dict]]:
+    """The scaling rows to plot, one panel per study. A study `NAME-all` (the same prompts on
+    a larger store whose first documents are NAME's store, e.g. the whole standard library
+    after its first 300 files) continues NAME's curve: its rows follow NAME's smaller sizes."""
+    rows = {name: list(result["scaling"]) for name, result in results.items()}
+    for name in [n for n in rows if n.endswith("-all") and n[: -len("-all")] in rows]:
+        smaller = rows[name[: -len("-all")]]
+        largest = max(row["size_tokens"] for row in smaller)
+        smaller += [row for row in rows.pop(name) if row["size_tokens"] > largest]
+    return rows
+
+
 def plot(results: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
-    for ax, (name, result) in zip(axes[0], results.items(), strict=True):
-        sizes = [row["size_tokens"] for row in result["scaling"]]
+    curves = panels(results)
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], curves.items(), strict=True):
+        result = results[name]
+        sizes = [row["size_tokens"] for row in rows]
         for label, method, style in [("DReSD 10x10 (paper)", DRESD_DEFAULT, "C0-o"),
                                      ("DReSD 16 nodes", PAIRS[2][1], "C0--s"),
                                      ("REST 64 nodes (default)", REST_DEFAULT, "C3-o"),
                                      ("REST 16 nodes", PAIRS[2][2], "C3--s")]:
-            ax.plot(sizes, [row["methods"][method]["mean_accepted_length"]
-                            for row in result["scaling"]], style, label=label)
+            ax.plot(sizes, [row["methods"][method]["mean_accepted_length"] for row in rows],
+                    style, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("store size (corpus tokens)")
         ax.set_ylabel("mean accepted length")
