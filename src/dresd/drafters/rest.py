@@ -2,8 +2,9 @@
 
 At each step, with c the context (prompt + output so far, ending with the bonus token):
 
-1. For n = max_suffix, ..., min_suffix (16 down to 2), look up the last n tokens of c in the
-   corpus' suffix array. The first n with at least one match wins; none: no drafts.
+1. The longest n in min_suffix..max_suffix (2..16) whose last n tokens of c occur in the
+   corpus' suffix array wins (REST tries n from 16 down; a binary search finds the same n in
+   ~4 lookups, since a match of n tokens holds one of n - 1); none: no drafts.
 2. The first `max_matches` (k = 5000) matches in suffix-array order (REST takes them in that
    order too) each give a continuation: the up to `draft_len` (10) corpus tokens after the match,
    cut at the end of its document.
@@ -88,29 +89,42 @@ class RestDrafter:
         indexes: list[SparseIndex] = [self.datastore]
         if self.learned is not None and self.learned.index is not None:
             indexes.append(self.learned.index)
-        tails, longest = [], 0
-        for index in indexes:
-            tail = index.to_symbols(context.token_ids[-self.max_suffix :])
-            # A token the corpus never has cannot be inside a match: look only after the last.
-            unknown = np.flatnonzero(tail < 0)
-            tails.append(tail)
-            longest = max(longest, len(tail) - (unknown[-1] + 1 if len(unknown) else 0))
-        for n in range(longest, self.min_suffix - 1, -1):
-            blocks = []
-            for index, tail in zip(indexes, tails, strict=True):
-                lo, hi = index.match_rows(tail[-n:])
-                if hi > lo:
-                    hi = min(hi, lo + self.max_matches)
-                    blocks.append((index, index.continuations(lo, hi, skip=n, length=draft_len)))
-            if len(blocks) == 1:
-                index, continuations = blocks[0]
-                return [index.to_token_ids(d).tolist()
-                        for d in most_frequent_prefixes(continuations, self.max_tree_nodes)]
-            if blocks:
-                return merged_prefix_drafts(blocks, self.max_tree_nodes)
-        return []
+        # Step 1: the longest suffix with a match. A match of the last n tokens holds one of the
+        # last n - 1 (the same occurrence, one token later), so "has a match" is monotone in n
+        # and a binary search finds the longest in ~log2(15) = 4 lookups instead of up to 15.
+        found = [longest_match(index, context.token_ids, self.min_suffix, self.max_suffix)
+                 for index in indexes]
+        n = max(length for length, _ in found)
+        if n == 0:
+            return []
+        blocks = [(index, index.continuations(lo, min(hi, lo + self.max_matches), skip=n,
+                                              length=draft_len))
+                  for index, (length, (lo, hi)) in zip(indexes, found, strict=True) if length == n]
+        if len(blocks) == 1:
+            index, continuations = blocks[0]
+            return [index.to_token_ids(d).tolist()
+                    for d in most_frequent_prefixes(continuations, self.max_tree_nodes)]
+        return merged_prefix_drafts(blocks, self.max_tree_nodes)
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: with `learn`, its output joins the side store."""
         if self.learned is not None:
             self.learned.add(output)
+
+
+def longest_match(index: SparseIndex, token_ids: np.ndarray, min_suffix: int, max_suffix: int
+                  ) -> tuple[int, tuple[int, int]]:
+    """(n, its suffix-array rows) for the longest n in [min_suffix, max_suffix] whose last n
+    tokens of `token_ids` occur in `index` followed by a token; (0, (0, 0)) if none does."""
+    tail = index.to_symbols(token_ids[-max_suffix:])
+    unknown = np.flatnonzero(tail < 0)  # a token the corpus never has cannot be inside a match
+    lo, hi = min_suffix, len(tail) - (unknown[-1] + 1 if len(unknown) else 0)
+    best: tuple[int, tuple[int, int]] = (0, (0, 0))
+    while lo <= hi:  # invariant: every n < lo matches (or is below min_suffix), none > hi does
+        n = (lo + hi) // 2
+        rows = index.match_rows(tail[-n:])
+        if rows[1] > rows[0]:
+            best, lo = (n, rows), n + 1
+        else:
+            hi = n - 1
+    return best
