@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--methods", required=True, help="as bench --methods")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of the run")
     parser.add_argument("--name", default=None, help="write results/replay/NAME.md")
+    parser.add_argument("--evict-mb", type=float, default=0.0,
+                        help="read this many MB before every drafting call, as a verify "
+                             "forward streams the weights (bf16 default model: ~270); 0: warm")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -53,12 +56,14 @@ def main() -> None:
         if method == "ar":  # the baseline: est. speedup 1 by definition
             continue
         drafter = make_drafter(method, datastore=meta.get("datastore"), cost=curve, **options)
-        steps, seconds = replay(refs, drafter_proposer(drafter, refs), drafter)
+        steps, seconds = replay(refs, drafter_proposer(drafter, refs), drafter,
+                                evict_bytes=int(args.evict_mb * 2**20))
         table[label] = summarise(steps, seconds, tokens, curve, step_seconds)
     singles = [m for m in table if m.split("[")[0] not in COMBINED]
     best = max(singles, key=lambda m: table[m]["est_speedup"]) if singles else None
+    caches = f", {args.evict_mb:g} MB read between calls" if args.evict_mb else ", warm caches"
     lines = [f"# Replayed on `{args.run}` ({len(refs)} prompts, {tokens} tokens, {meta['dtype']}, "
-             f"{meta['threads']} thread)", "",
+             f"{meta['threads']} thread{caches})", "",
              "| method | mean accepted length | drafted/step | draft ms/step | draft share | "
              "est. speedup | est. / best single | measured speedup (recorded run) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

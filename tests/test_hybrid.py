@@ -210,3 +210,12 @@ def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
     cached["cost"]["2"] = 9.0
     curve_path(target).write_text(json.dumps(cached))
     assert load_or_measure(target, quiet=True)[2] == 9.0  # read back, not measured again
+
+
+def test_replay_steps_do_not_depend_on_evicting_the_caches():
+    """`evict_bytes` only changes what drafting costs, never which steps it takes."""
+    refs = recorded("humaneval")[:2]
+    warm, cold = (replay(refs, drafter_proposer(drafter, refs), drafter, evict_bytes=evict)[0]
+                  for drafter, evict in ((HybridDrafter(cost=CURVES["this CPU, bf16"]), 0),
+                                         (HybridDrafter(cost=CURVES["this CPU, bf16"]), 1 << 20)))
+    assert warm == cold and len(warm) > 10
