@@ -52,6 +52,37 @@ def test_pld_prefers_the_longest_ngram_then_the_most_recent_match():
     assert drafter.propose(context(tokens, max_draft_len=1)) == [[5], [9]]
 
 
+
+def brute_force_pld(tokens: list[int], max_ngram: int, min_ngram: int, draft_len: int,
+                    num_drafts: int) -> list[list[int]]:
+    """PLD written plainly: every earlier window, longest n first, most recent first."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        drafts: list[list[int]] = []
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                draft = tokens[start + n : start + n + draft_len]
+                if draft not in drafts and len(drafts) < num_drafts:
+                    drafts.append(draft)
+        if drafts:
+            return drafts
+    return []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pld_equals_brute_force_on_random_contexts(seed):
+    rng = np.random.default_rng(seed)
+    found = 0
+    for trial in range(200):
+        options = dict(max_ngram=int(rng.integers(1, 5)), draft_len=int(rng.integers(1, 6)),
+                       num_drafts=int(rng.integers(1, 4)))
+        options["min_ngram"] = int(rng.integers(1, options["max_ngram"] + 1))
+        # A small vocabulary, so that n-grams recur at every length.
+        tokens = rng.integers(0, 2 + trial % 5, size=int(rng.integers(1, 40))).tolist()
+        drafts = PromptLookupDrafter(**options).propose(context(tokens))
+        assert drafts == brute_force_pld(tokens, **options)
+        found += bool(drafts)
+    assert found > 100
+
 def test_make_drafter_rejects_unknown_methods():
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         make_drafter("magic")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from dresd.drafters.base import Draft, DraftContext
 
@@ -35,15 +34,23 @@ class PromptLookupDrafter:
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            # Windows starting at 0 .. len-n-1: every earlier n-gram that has a next token.
-            windows = sliding_window_view(tokens[:-1], n)
-            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(starts) == 0:
+        # The earlier positions e (with a next token) where the context's last token recurs;
+        # keep those where the one before also matches, and so on: after j rounds, `ends` are
+        # the ends of the earlier (j + 1)-grams equal to the context's last j + 1 tokens. One
+        # scan of the context, then small arrays (drafting runs with cold caches: numpy calls
+        # over the whole context are what cost).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        matches = [ends]  # matches[n - 1]: ends of the n-gram matches
+        for back in range(1, min(self.max_ngram, len(tokens) - 1)):
+            ends = ends[ends >= back]
+            ends = ends[tokens[ends - back] == tokens[-1 - back]]
+            matches.append(ends)
+        for n in range(len(matches), self.min_ngram - 1, -1):
+            if len(matches[n - 1]) == 0:
                 continue
             drafts: list[Draft] = []
-            for start in starts[::-1]:  # most recent first
-                draft = tokens[start + n : start + n + draft_len].tolist()
+            for end in matches[n - 1][::-1].tolist():  # most recent first
+                draft = tokens[end + 1 : end + 1 + draft_len].tolist()
                 if draft not in drafts:
                     drafts.append(draft)
                     if len(drafts) == self.num_drafts:
