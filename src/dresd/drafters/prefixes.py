@@ -49,15 +49,16 @@ def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np
     # lcp[i] = common prefix length of rows i-1 and i (lcp[0] = 0: row 0 starts every run).
     lcp = np.concatenate([[0], np.where(differs.any(axis=1), differs.argmax(axis=1), width)])
 
-    node_depth, node_row, node_count = [], [], []
-    for depth in range(1, width + 1):
-        run_starts = np.flatnonzero(lcp < depth)
-        run_sizes = np.diff(np.append(run_starts, m))
-        real = lengths[run_starts] >= depth  # a run of rows that end before `depth` is no node
-        node_depth.append(np.full(int(real.sum()), depth))
-        node_row.append(run_starts[real])
-        node_count.append(run_sizes[real])
-    depth, row, count = (np.concatenate(a) for a in (node_depth, node_row, node_count))
+    # Every depth at once (one numpy call per operation, not one per depth: drafting runs
+    # with caches the verify forward just evicted, where each call costs microseconds):
+    # starts[d - 1, i] says that row i starts a run at depth d.
+    starts = lcp[None, :] < np.arange(1, width + 1)[:, None]
+    level, row = np.nonzero(starts)  # by depth, then by row
+    following = np.append(row[1:], m)  # the next run's first row, if at the same depth
+    same_level = np.append(level[1:] == level[:-1], False)
+    count = np.where(same_level, following, m) - row
+    real = lengths[row] > level  # a run of rows that end before its depth is no node
+    depth, row, count = level[real] + 1, row[real], count[real]
     # The nodes are listed by depth, then by first row, which within one depth is token order:
     # the tie-break order already. So the ranking is a stable sort by count, of which only the
     # first max_nodes are needed: those above the max_nodes-th largest count, then the first
