@@ -103,6 +103,7 @@ def test_lookup_of_ids_the_corpus_lacks(tmp_path):
     assert index.occurrences([6, 8]) == []
     assert index.occurrences([7]) == []  # at the end of its document: nothing follows it
     assert index.to_symbols([4, 5, 7, 8]).tolist() == [-1, 1, 3, -1]
+    assert index.to_symbols([-3, 7, 10**9]).tolist() == [-1, 3, -1]  # outside the id table
 
 
 def test_continuations_stop_at_the_document_end(tmp_path):

@@ -36,7 +36,7 @@ through ctypes on the memory-mapped arrays: no Python loop runs per comparison.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +127,7 @@ class SparseIndex:
     symbols: np.ndarray  # big-endian uint [N]: the stream, documents separated by 0
     suffix_array: np.ndarray  # int32/int64 [N]: byte offsets of the suffixes, sorted by suffix
     doc_starts: np.ndarray  # int64 [documents + 1]: document starts in the stream, then N
+    _symbol_of: np.ndarray | None = field(default=None, init=False, repr=False)  # id -> symbol
 
     @classmethod
     def open(cls, folder: str | Path) -> SparseIndex:
@@ -163,10 +164,14 @@ class SparseIndex:
     def to_symbols(self, token_ids: np.ndarray) -> np.ndarray:
         """Symbols of `token_ids`; ids that never occur in the corpus become -1."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        if len(self.alphabet) == 0:
-            return np.full(token_ids.shape, -1, dtype=np.int64)
-        ranks = np.minimum(np.searchsorted(self.alphabet, token_ids), len(self.alphabet) - 1)
-        return np.where(self.alphabet[ranks] == token_ids, ranks + 1, -1)
+        if self._symbol_of is None:
+            # One lookup per id instead of a binary search over the alphabet: a drafting step
+            # finds the alphabet evicted from the caches by the verify forward.
+            self._symbol_of = np.full(int(self.alphabet.max(initial=-1)) + 2, -1, np.int64)
+            self._symbol_of[self.alphabet] = np.arange(1, len(self.alphabet) + 1)
+        # Ids beyond the table (and negative ones) read its last entry, which is -1.
+        inside = np.where((token_ids >= 0) & (token_ids < len(self._symbol_of)), token_ids, -1)
+        return self._symbol_of[inside]
 
     def to_token_ids(self, symbols: np.ndarray) -> np.ndarray:
         """Token ids of non-zero symbols."""
