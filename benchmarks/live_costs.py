@@ -1,0 +1,94 @@
+"""What a verify step costs as the live loop pays it, by tree size, against the calibrated curve.
+
+    .venv/bin/python benchmarks/live_costs.py --dataset mt_bench --limit 24 \
+        --datastore ~/.cache/dresd/datastores/all --name mt-bench
+
+`dresd calibrate` times bare forwards over random trees on a 256-token random context. In a
+generation, a step's verify (`StepRecord.verify_seconds`: the mask, the forward, acceptance and
+trimming the cache) runs over the real, longer context, right after drafting. This script
+generates with `none` (plain decoding through the speculative loop: the one-token step), AR
+(transformers' `generate`, for tokens/s), `suffix` and `hybrid`, interleaved prompt by prompt,
+and prints for every (method, tree size, linear or branching) seen at least 15 times
+
+    live cost(t) = median verify seconds of its steps / median verify seconds of `none`'s steps
+
+beside the calibrated cost(t) that replays and hybrid's budget use. Results:
+results/live_costs/NAME.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dresd.calibrate import cost_at, load_or_measure
+from dresd.datasets import load_prompts
+from dresd.models import load_target
+from dresd.prompts import encode_prompt
+from dresd.runner import GenerationSettings, MethodRunner
+
+RESULTS = Path(__file__).parent / "results" / "live_costs"
+MIN_STEPS = 15  # steps of one (method, size, shape) before its median is printed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", required=True, help="as bench --dataset")
+    parser.add_argument("--datastore", default=None, help="hybrid's store (dense and/or sparse)")
+    parser.add_argument("--limit", type=int, default=24, help="first N prompts")
+    parser.add_argument("--name", default=None, help="write results/live_costs/NAME.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    target = load_target("default", dtype="auto")
+    curve = load_or_measure(target)
+    settings = GenerationSettings(max_new_tokens=128)
+    runners = {"ar": MethodRunner(target, "ar", settings),
+               "none": MethodRunner(target, "none", settings),
+               "suffix": MethodRunner(target, "suffix", settings),
+               "hybrid": MethodRunner(target, "hybrid", settings, datastore=args.datastore)}
+    verify, draft = defaultdict(list), defaultdict(list)
+    seconds, tokens = defaultdict(float), defaultdict(int)
+    for prompt in load_prompts(args.dataset)[: args.limit]:
+        ids = encode_prompt(target.tokenizer, prompt.text)
+        for method, runner in runners.items():
+            result = runner.generate(ids)
+            seconds[method] += result.total_seconds
+            tokens[method] += len(result.token_ids)
+            for step in result.steps:
+                shape = "linear" if step.draft_depth == step.num_drafted else "branching"
+                verify[method, step.num_drafted + 1, shape].append(step.verify_seconds)
+                draft[method].append(step.draft_seconds)
+
+    one_token = statistics.median(verify["none", 1, "linear"])
+    ar_speed = tokens["ar"] / seconds["ar"]
+    lines = [f"# Live verify cost by tree size ({args.dataset}, {args.limit} prompts, "
+             f"{target.dtype}, 1 thread)", "",
+             f"One-token step (`none`): {1e3 * one_token:.1f} ms (median). Tokens/s over AR's, "
+             "same run: " + ", ".join(f"{m} {tokens[m] / seconds[m] / ar_speed:.2f}x"
+                                      for m in runners if m != "ar") + ".", "",
+             "| method | tree tokens | shape | steps | live cost | calibrated cost |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for method, size, shape in sorted(verify, key=lambda k: (k[1], k[0], k[2])):
+        times = verify[method, size, shape]
+        if len(times) >= MIN_STEPS:
+            lines.append(f"| {method} | {size} | {shape} | {len(times)} | "
+                         f"{statistics.median(times) / one_token:.2f} | "
+                         f"{cost_at(curve, size):.2f} |")
+    lines += ["", "| method | draft ms, median | draft ms, mean |", "| --- | ---: | ---: |"]
+    lines += [f"| {m} | {1e3 * statistics.median(d):.2f} | {1e3 * np.mean(d):.2f} |"
+              for m, d in draft.items()]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.name:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{args.name}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
