@@ -52,7 +52,6 @@ def test_pld_prefers_the_longest_ngram_then_the_most_recent_match():
     assert drafter.propose(context(tokens, max_draft_len=1)) == [[5], [9]]
 
 
-
 def brute_force_pld(tokens: list[int], max_ngram: int, min_ngram: int, draft_len: int,
                     num_drafts: int) -> list[list[int]]:
     """PLD written plainly: every earlier window, longest n first, most recent first."""
@@ -82,6 +81,7 @@ def test_pld_equals_brute_force_on_random_contexts(seed):
         assert drafts == brute_force_pld(tokens, **options)
         found += bool(drafts)
     assert found > 100
+
 
 def test_make_drafter_rejects_unknown_methods():
     with pytest.raises(ValueError, match="unknown method 'magic'"):

@@ -89,9 +89,7 @@ class RestDrafter:
         indexes: list[SparseIndex] = [self.datastore]
         if self.learned is not None and self.learned.index is not None:
             indexes.append(self.learned.index)
-        # Step 1: the longest suffix with a match. A match of the last n tokens holds one of the
-        # last n - 1 (the same occurrence, one token later), so "has a match" is monotone in n
-        # and a binary search finds the longest in ~log2(15) = 4 lookups instead of up to 15.
+        # Steps 1 and 2: the longest suffix with a match in any store, and its matches there.
         found = [longest_match(index, context.token_ids, self.min_suffix, self.max_suffix)
                  for index in indexes]
         n = max(length for length, _ in found)
@@ -115,7 +113,11 @@ class RestDrafter:
 def longest_match(index: SparseIndex, token_ids: np.ndarray, min_suffix: int, max_suffix: int
                   ) -> tuple[int, tuple[int, int]]:
     """(n, its suffix-array rows) for the longest n in [min_suffix, max_suffix] whose last n
-    tokens of `token_ids` occur in `index` followed by a token; (0, (0, 0)) if none does."""
+    tokens of `token_ids` occur in `index` followed by a token; (0, (0, 0)) if none does.
+
+    A match of the last n tokens holds one of the last n - 1 (the same occurrence, one token
+    later), so "has a match" is monotone in n: a binary search finds the longest in ~4 lookups
+    instead of REST's up to 15."""
     tail = index.to_symbols(token_ids[-max_suffix:])
     unknown = np.flatnonzero(tail < 0)  # a token the corpus never has cannot be inside a match
     lo, hi = min_suffix, len(tail) - (unknown[-1] + 1 if len(unknown) else 0)
