@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dresd.calibrate import measure_verify_seconds, random_tree
+from dresd.calibrate import filled_cache, measure_verify_seconds, random_tree
 from dresd.decoding import speculative_generate
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.generate import target_forward
@@ -83,9 +83,7 @@ def loop_parts(model: torch.nn.Module, sizes: tuple[int, ...], context_len: int,
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     vocab = model.config.vocab_size
     rng = np.random.default_rng(1)
-    cache = DynamicCache(config=model.config)
-    target_forward(model, torch.tensor([rng.integers(vocab, size=context_len).tolist()],
-                                       device=device), cache)
+    cache = filled_cache(model, context_len, rng)
     times: dict[int, dict[str, list[float]]] = {
         size: {"tree_tensors": [], "forward": [], "accept": [], "compact": []} for size in sizes}
     for repeat in range(repeats + 1):

@@ -205,11 +205,16 @@ def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
     curve = load_or_measure(target, quiet=True)
     assert curve[1] == 1.0 and set(curve) >= {1, 2, 4, 8, 16, 32, 64}
     assert all(cost > 0 for cost in curve.values())
+    ordered = [curve[size] for size in sorted(curve)]
+    assert ordered == sorted(ordered), "a larger tree never costs less"
     assert curve_path(target).is_file() and str(tmp_path) in str(curve_path(target))
     cached = json.loads(curve_path(target).read_text())
     cached["cost"]["2"] = 9.0
     curve_path(target).write_text(json.dumps(cached))
     assert load_or_measure(target, quiet=True)[2] == 9.0  # read back, not measured again
+    del cached["version"]  # a curve measured the old way is measured again
+    curve_path(target).write_text(json.dumps(cached))
+    assert load_or_measure(target, quiet=True)[2] != 9.0
 
 
 def test_replay_steps_do_not_depend_on_evicting_the_caches():
