@@ -279,17 +279,19 @@ class SlowGuesser:
         return [[10**6]]
 
 
-@pytest.mark.parametrize("step_seconds", [None, 0.02])
-def test_hybrid_consults_a_source_that_does_not_pay_only_to_check_it(step_seconds):
+@pytest.mark.parametrize(("step_seconds", "skip_sources"), [(None, True), (0.02, False),
+                                                           (0.02, True)])
+def test_hybrid_consults_a_source_that_does_not_pay_only_to_check_it(step_seconds, skip_sources):
     """With a step's seconds known, a slow source that never finds an accepted token is left
-    out of most steps (consulted during warm-up and every explore_every-th step); unknown, every
-    source is consulted at every step. The other sources' drafts are unaffected."""
+    out of most steps (consulted during warm-up and every explore_every-th step); unknown, or
+    with skip_sources off, every source is consulted at every step."""
     refs = recorded("humaneval")[:2]
-    drafter = HybridDrafter(cost=CURVES["this CPU, bf16"], step_seconds=step_seconds)
+    drafter = HybridDrafter(cost=CURVES["this CPU, bf16"], step_seconds=step_seconds,
+                            skip_sources=skip_sources)
     drafter.sources["slow"] = guesser = SlowGuesser()
     steps, _ = replay(refs, drafter_proposer(drafter, refs), drafter)
     assert len(steps) > 60 and sum(accepted for _, accepted in steps) > len(steps) // 2
-    if step_seconds is None:
+    if step_seconds is None or not skip_sources:
         assert guesser.calls == len(steps)
     else:
         explore = drafter.ledger.explore_every

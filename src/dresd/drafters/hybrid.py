@@ -301,8 +301,11 @@ class HybridDrafter:
     prior: str | None = None  # a fitted prior (JSON of AcceptanceTable.save); None: a guess
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
     cost: dict[int, float] | None = None
-    # a one-token step's seconds, to weigh each source's drafting time against (`SourceLedger`);
-    # None: the calibration's when it gives the cost, else every source is always consulted
+    # leave out a source whose drafting time does not pay (`SourceLedger`); 0: consult every
+    # source at every step
+    skip_sources: bool = True
+    # a one-token step's seconds, to weigh each source's drafting time against; None: the
+    # calibration's when it gives the cost, else unknown, and every source is always consulted
     step_seconds: float | None = None
     # finished outputs kept: None (default) by suffix only; True by suffix, REST and DReSD;
     # False by none
@@ -352,7 +355,7 @@ class HybridDrafter:
         started = time.perf_counter()
         self._learn(context.token_ids)
         self.steps += 1
-        skip = self.ledger.to_skip(self.steps) if self.step_seconds else None
+        skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
         tree, source_seconds = CandidateTree(), {}
         draft_len = min(self.draft_len, context.max_draft_len)
         for name in self.sources if draft_len >= 1 else []:
