@@ -262,20 +262,21 @@ def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed()
     records = []
     drafter.ledger.record = lambda *args: records.append(args)
     prompt = np.arange(20, 40)
-    drafter.last = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002})
+    drafter.last = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002},
+                            first=False)
     drafter._learn(np.concatenate([prompt, [5, 6, 7, 3]]))  # 3 accepted, then the bonus 3
     (seconds, lost, emitted, step_seconds), = records
     assert lost == Counter(pld=1) and emitted == 4 and step_seconds > 0.003
 
 
 class SlowGuesser:
-    """A source that takes 4 ms and proposes a token the model never emits."""
+    """A source that takes 10 ms and proposes a token the model never emits."""
 
     calls = 0
 
     def propose(self, context: DraftContext) -> list[list[int]]:
         self.calls += 1
-        time.sleep(0.004)
+        time.sleep(0.010)
         return [[10**6]]
 
 

@@ -276,6 +276,7 @@ class LastStep:
     length: int  # context length when it drafted
     tail: np.ndarray  # the context's last 16 tokens, to tell a new generation apart
     source_seconds: dict[str, float]  # source -> seconds it took (the sources consulted)
+    first: bool  # the first step of a generation
     verified: int = 0  # draft tokens kept for verification
     seconds: float = 0.0  # the whole call's seconds
 
@@ -353,7 +354,7 @@ class HybridDrafter:
             raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
                              "call check_target(target) (the runner does), which measures it")
         started = time.perf_counter()
-        self._learn(context.token_ids)
+        continued = self._learn(context.token_ids)
         self.steps += 1
         skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
         tree, source_seconds = CandidateTree(), {}
@@ -372,7 +373,7 @@ class HybridDrafter:
             source_seconds[name] = time.perf_counter() - source_started
         length = len(context.token_ids)
         step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
-                                    source_seconds)
+                                    source_seconds, first=not continued)
         drafts, step.verified = self._cut(tree) if len(tree.tokens) > 1 else ([], 0)
         step.seconds = time.perf_counter() - started
         return drafts
@@ -399,17 +400,17 @@ class HybridDrafter:
             if hasattr(source, "observe"):
                 source.observe(prompt, output, hidden_states)
 
-    def _learn(self, token_ids: np.ndarray) -> None:
+    def _learn(self, token_ids: np.ndarray) -> bool:
         """Score the previous step's candidates against the tokens that step emitted (the
         accepted path, then the bonus token), and its sources' time against what only they
-        found."""
+        found. False where `token_ids` starts a new generation."""
         if self.last is None:
-            return
+            return False
         step, self.last = self.last, None
         tree, length = step.tree, step.length
         if len(token_ids) <= length or not np.array_equal(
                 token_ids[length - len(step.tail) : length], step.tail):
-            return  # a new generation: the last step's candidates are not comparable
+            return False  # a new generation: the last step's candidates are not comparable
         emitted = token_ids[length:].tolist()
         accepted = len(emitted) - 1  # the last one is the bonus token
         lost: Counter = Counter()  # source -> accepted tokens lost without it
@@ -423,7 +424,10 @@ class HybridDrafter:
                 break
             if depth < accepted and len(tree.sources[node]) == 1:
                 lost.setdefault(tree.sources[node][0], accepted - depth)  # the path breaks here
-        if self.step_seconds:
+        # A generation's first call also reads its prompt (suffix builds the prompt's tree):
+        # a cost per generation, not per step, which leaving a source out would not save.
+        if self.step_seconds and not step.first:
             verify = self.costs[step.verified + 1] if len(self.costs) > step.verified + 1 else 1.0
             self.ledger.record(step.source_seconds, lost, len(emitted),
                                step.seconds + verify * self.step_seconds)
+        return True
