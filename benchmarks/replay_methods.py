@@ -4,9 +4,10 @@
         --methods 'suffix,hybrid,hybrid[draft_len=16]' [--limit N] [--name NAME]
 
 The run's report gives the prompts, the datastore, the dtype, the verify-cost curve and AR's
-time per token; every method is replayed on AR's outputs (`dresd.bench.replay`), drafting
-timed in CPU time, and priced with that curve. Where the run measured a method of the same
-label, its measured speedup is printed beside the estimate, to read the estimate against. With
+time per token (also hybrid's one-token step, against which it weighs each source's drafting
+time); every method is replayed on AR's outputs (`dresd.bench.replay`), drafting timed in CPU
+time, and priced with that curve. Where the run measured a method of the same label, its
+measured speedup is printed beside the estimate, to read the estimate against. With
 --name, the table is written to results/replay/NAME.md.
 """
 
@@ -55,7 +56,8 @@ def main() -> None:
     for label, method, options in parse_methods(args.methods):
         if method == "ar":  # the baseline: est. speedup 1 by definition
             continue
-        drafter = make_drafter(method, datastore=meta.get("datastore"), cost=curve, **options)
+        drafter = make_drafter(method, datastore=meta.get("datastore"), cost=curve,
+                               step_seconds=step_seconds, **options)
         steps, seconds = replay(refs, drafter_proposer(drafter, refs), drafter,
                                 evict_bytes=int(args.evict_mb * 2**20))
         table[label] = summarise(steps, seconds, tokens, curve, step_seconds)

@@ -4,6 +4,8 @@ and learning from what the target emitted. (Losslessness: test_lossless_greedy, 
 from __future__ import annotations
 
 import json
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,8 @@ from dresd.drafters.hybrid import (
     AcceptanceTable,
     CandidateTree,
     HybridDrafter,
+    LastStep,
+    SourceLedger,
     agreeing_prefixes,
     best_budget,
 )
@@ -194,7 +198,7 @@ def test_hybrid_sampling_matches_model_distribution(small_vocab_model):  # noqa:
 
 
 def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
-    from dresd.calibrate import curve_path, load_or_measure, random_tree
+    from dresd.calibrate import cached_step_seconds, curve_path, load_or_measure, random_tree
     from dresd.models import Target
 
     rng = np.random.default_rng(0)
@@ -208,6 +212,7 @@ def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
     ordered = [curve[size] for size in sorted(curve)]
     assert ordered == sorted(ordered), "a larger tree never costs less"
     assert curve_path(target).is_file() and str(tmp_path) in str(curve_path(target))
+    assert 0 < cached_step_seconds(target) < 1  # the one-token step, for hybrid's ledger
     cached = json.loads(curve_path(target).read_text())
     cached["cost"]["2"] = 9.0
     curve_path(target).write_text(json.dumps(cached))
@@ -224,3 +229,72 @@ def test_replay_steps_do_not_depend_on_evicting_the_caches():
                   for drafter, evict in ((HybridDrafter(cost=CURVES["this CPU, bf16"]), 0),
                                          (HybridDrafter(cost=CURVES["this CPU, bf16"]), 1 << 20)))
     assert warm == cold and len(warm) > 10
+
+
+def test_ledger_leaves_out_the_one_source_whose_share_of_the_time_exceeds_its_share_of_tokens():
+    ledger = SourceLedger(warmup=4, explore_every=5)
+    # A 10 ms step emitting 3 tokens. pld: 2 of them lost without it, in 10% of the time;
+    # suffix: 0.5 in 25%; rest: 0.4 in 10%; dresd: 0.3 in 20%. Both suffix and dresd lose
+    # 8/60 and 10/60 of the tokens.
+    seconds = {"pld": 0.001, "suffix": 0.0025, "rest": 0.001, "dresd": 0.002}
+    for step in range(8):
+        if step == 3:
+            assert ledger.to_skip(1) is None  # still warming up
+        ledger.record(seconds, Counter(pld=2, suffix=step % 2, rest=0.4, dresd=0.3), 3, 0.010)
+    assert ledger.to_skip(1) == "suffix"  # the largest excess of time share over token share
+    assert ledger.to_skip(5) is None  # every explore_every-th step consults every source
+    for _ in range(100):  # suffix's content starts to pay: dresd is now the one left out
+        ledger.record(seconds, Counter(pld=2, suffix=2, rest=0.4, dresd=0.3), 3, 0.010)
+    assert ledger.to_skip(1) == "dresd"
+    for _ in range(100):  # every source pays
+        ledger.record(seconds, Counter(pld=2, suffix=2, rest=0.4, dresd=1), 3, 0.010)
+    assert ledger.to_skip(1) is None
+
+
+def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed():
+    """Without the source that alone proposed accepted node d, the path breaks at d: every
+    accepted token from d on is lost, whoever proposed them."""
+    drafter = HybridDrafter(cost={1: 1.0, 64: 1.0}, step_seconds=0.01)
+    tree = CandidateTree()
+    tree.add([5, 6, 7, 8], "pld")
+    tree.add([5, 6], "suffix")  # 5, 6: both; 7, 8: pld alone
+    tree.add([5, 9], "suffix")  # 9: suffix alone, not accepted
+    records = []
+    drafter.ledger.record = lambda *args: records.append(args)
+    prompt = np.arange(20, 40)
+    drafter.last = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002},
+                            first=False)
+    drafter._learn(np.concatenate([prompt, [5, 6, 7, 3]]))  # 3 accepted, then the bonus 3
+    (seconds, lost, emitted, step_seconds), = records
+    assert lost == Counter(pld=1) and emitted == 4 and step_seconds > 0.003
+
+
+class SlowGuesser:
+    """A source that takes 10 ms and proposes a token the model never emits."""
+
+    calls = 0
+
+    def propose(self, context: DraftContext) -> list[list[int]]:
+        self.calls += 1
+        time.sleep(0.010)
+        return [[10**6]]
+
+
+@pytest.mark.parametrize(("step_seconds", "skip_sources"), [(None, True), (0.02, False),
+                                                           (0.02, True)])
+def test_hybrid_consults_a_source_that_does_not_pay_only_to_check_it(step_seconds, skip_sources):
+    """With a step's seconds known, a slow source that never finds an accepted token is left
+    out of most steps (consulted during warm-up and every explore_every-th step); unknown, or
+    with skip_sources off, every source is consulted at every step."""
+    refs = recorded("humaneval")[:2]
+    drafter = HybridDrafter(cost=CURVES["this CPU, bf16"], step_seconds=step_seconds,
+                            skip_sources=skip_sources)
+    drafter.sources["slow"] = guesser = SlowGuesser()
+    steps, _ = replay(refs, drafter_proposer(drafter, refs), drafter)
+    assert len(steps) > 60 and sum(accepted for _, accepted in steps) > len(steps) // 2
+    if step_seconds is None or not skip_sources:
+        assert guesser.calls == len(steps)
+    else:
+        explore = drafter.ledger.explore_every
+        assert guesser.calls <= drafter.ledger.warmup + len(steps) // explore + 2
+        assert drafter.ledger.lost["slow"] == 0

@@ -60,30 +60,32 @@ def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
 
 CONTEXT_LEN = 384  # cached tokens the trees are verified on
 REPEATS = 15  # timed sweeps over the sizes, after one warm-up sweep
-CURVE_VERSION = 2  # how the curve is measured; a cached curve of another version is re-measured
+CURVE_VERSION = 3  # how the curve is measured; a cached curve of another version is re-measured
 
 
 @torch.inference_mode()
 def measure_verify_cost(model: torch.nn.Module, sizes: tuple[int, ...] = TREE_SIZES,
                         context_len: int = CONTEXT_LEN, repeats: int = REPEATS
-                        ) -> dict[int, float]:
-    """cost(t) for each tree size t (t = 1 is the one-token step, cost 1.0): paired ratios
-    (module doc), made non-decreasing."""
+                        ) -> tuple[dict[int, float], float]:
+    """(cost(t) for each tree size t, t = 1 being the one-token step of cost 1.0: paired
+    ratios (module doc), made non-decreasing; the one-token step's median seconds)."""
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     cache = filled_cache(model, context_len, rng)
     ratios: dict[int, list[float]] = {size: [] for size in sizes if size > 1}
+    steps: list[float] = []
     for repeat in range(repeats + 1):
         for size in rng.permutation(sorted(ratios)).tolist():
             step = timed_verify(model, cache, random_tree(1, vocab, rng), context_len)
             tree = timed_verify(model, cache, random_tree(size, vocab, rng), context_len)
             if repeat > 0:  # the first sweep is a warm-up
                 ratios[size].append(tree / step)
+                steps.append(step)
     cost, running = {1: 1.0}, 1.0
     for size in sorted(ratios):
         running = max(running, statistics.median(ratios[size]))
         cost[size] = running
-    return {size: cost[size] for size in sizes}
+    return {size: cost[size] for size in sizes}, statistics.median(steps)
 
 
 @torch.inference_mode()
@@ -153,15 +155,22 @@ def load_or_measure(target: Target, force: bool = False, quiet: bool = False) ->
     if not quiet:
         print(f"dresd: measuring the verify-cost curve once for this model, dtype and thread "
               f"count (cached in {path})", file=sys.stderr)
-    cost = measure_verify_cost(target.model)
+    cost, step_seconds = measure_verify_cost(target.model)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"version": CURVE_VERSION, "model": target.name, "dtype": dtype_name(target.dtype),
               "threads": torch.get_num_threads(), "device": device_name(target.device),
+              "step_seconds": step_seconds,
               "cost": {str(size): value for size, value in cost.items()}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)  # atomic: a reader sees a whole curve or none
     return cost
+
+
+def cached_step_seconds(target: Target) -> float | None:
+    """The one-token step's seconds measured with `target`'s cached curve (None: no curve)."""
+    path = curve_path(target)
+    return json.loads(path.read_text()).get("step_seconds") if path.exists() else None
 
 
 def cost_table(curve: dict[int, float], up_to: int) -> np.ndarray:

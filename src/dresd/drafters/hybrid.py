@@ -28,6 +28,12 @@ machine's verify-cost curve. At every step this drafter:
    or not: accepted if its token is the one that came. The table persists across generations
    of one drafter, so a bench or a server calibrates it on its own workload.
 
+5. Consults only the sources that pay for their time (`SourceLedger`): a source whose share of
+   the accepted tokens (those lost without it) falls below its share of the step's time is
+   left out, one source at a time, and every few steps all are consulted again. This needs a
+   one-token step's seconds (the calibration measures them); where they are unknown every
+   source is consulted at every step.
+
 Learning from finished outputs (`learn`): by default SuffixDecoding's global trie keeps them, as
 `--method suffix` does; with `learn=True` (`--learn`) REST and DReSD also keep them in their
 in-memory side stores (`learned.py`), so a request that comes back drafts its earlier output
@@ -40,13 +46,14 @@ hurts); `prior_strength` = 4 observations, so a few steps of this workload overr
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dresd.calibrate import cost_table, load_or_measure
+from dresd.calibrate import cached_step_seconds, cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.drafters.base import Draft, DraftContext
@@ -210,6 +217,70 @@ def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int
     return dict(kept)
 
 
+@dataclass
+class SourceLedger:
+    """Whether each source pays for its drafting time, learned over the steps it was consulted.
+
+    Leaving source S out of a step loses u tokens, the accepted ones from the first accepted
+    node that only S proposed on (the path breaks there), and saves c, the seconds S took. With
+    E the tokens a step emits and T its seconds (drafting plus verify), throughput E / T beats
+    (E - u) / (T - c) exactly when
+
+        u / E >= c / T        (S's share of the tokens >= S's share of the time)
+
+    u and c are averaged over the steps S was consulted, E and T over every step, each an
+    exponential moving average (weight `decay` on the past). The source that loses most by this
+    rule, the largest c / T - u / E > 0, is left out, with two guards: one source at a time
+    (two sources that find the same tokens each look redundant, and leaving both out would
+    lose what either finds), and every `explore_every`-th step consults them all, so that a
+    source whose content starts to pay comes back.
+    """
+
+    decay: float = 0.95
+    warmup: int = 16  # steps a source is consulted before it may be left out
+    explore_every: int = 4
+    lost: dict[str, float] = field(default_factory=dict)  # source -> u
+    seconds: dict[str, float] = field(default_factory=dict)  # source -> c
+    consulted: Counter = field(default_factory=Counter)  # source -> steps it was consulted
+    emitted: float | None = None  # E
+    step_seconds: float | None = None  # T
+
+    def average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def record(self, seconds: dict[str, float], lost: Counter, emitted: int,
+               step_seconds: float) -> None:
+        """One step: each consulted source's seconds and the tokens lost without it."""
+        for name, spent in seconds.items():
+            self.lost[name] = self.average(self.lost.get(name), lost[name])
+            self.seconds[name] = self.average(self.seconds.get(name), spent)
+            self.consulted[name] += 1
+        self.emitted = self.average(self.emitted, emitted)
+        self.step_seconds = self.average(self.step_seconds, step_seconds)
+
+    def to_skip(self, step: int) -> str | None:
+        """The source to leave out of step number `step`, if one does not pay."""
+        if step % self.explore_every == 0 or not self.emitted or not self.step_seconds:
+            return None
+        excess = {name: c / self.step_seconds - self.lost[name] / self.emitted
+                  for name, c in self.seconds.items() if self.consulted[name] >= self.warmup}
+        worst = max(excess, key=excess.__getitem__, default=None)
+        return worst if worst is not None and excess[worst] > 0 else None
+
+
+@dataclass
+class LastStep:
+    """What the next call needs to score a step: its candidates and what it spent."""
+
+    tree: CandidateTree
+    length: int  # context length when it drafted
+    tail: np.ndarray  # the context's last 16 tokens, to tell a new generation apart
+    source_seconds: dict[str, float]  # source -> seconds it took (the sources consulted)
+    first: bool  # the first step of a generation
+    verified: int = 0  # draft tokens kept for verification
+    seconds: float = 0.0  # the whole call's seconds
+
+
 def best_budget(reach: list[float], costs: np.ndarray) -> int:
     """n* = argmax_n (1 + sum of the n largest reach probabilities) / cost(n + 1), with
     costs[t] = cost(t) (`cost_table`); on ties the smaller tree."""
@@ -231,6 +302,12 @@ class HybridDrafter:
     prior: str | None = None  # a fitted prior (JSON of AcceptanceTable.save); None: a guess
     # verify cost by tree tokens, in decode steps; None: measured once by `dresd calibrate`
     cost: dict[int, float] | None = None
+    # leave out a source whose drafting time does not pay (`SourceLedger`); 0: consult every
+    # source at every step
+    skip_sources: bool = True
+    # a one-token step's seconds, to weigh each source's drafting time against; None: the
+    # calibration's when it gives the cost, else unknown, and every source is always consulted
+    step_seconds: float | None = None
     # finished outputs kept: None (default) by suffix only; True by suffix, REST and DReSD;
     # False by none
     learn: bool | None = None
@@ -238,8 +315,9 @@ class HybridDrafter:
     table: AcceptanceTable = field(init=False, repr=False)
     costs: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
     sources: dict = field(init=False, repr=False)
-    # the previous step: (candidate tree, context length, the context's last 16 tokens)
-    last: tuple | None = field(default=None, init=False, repr=False)
+    ledger: SourceLedger = field(default_factory=SourceLedger, init=False, repr=False)
+    steps: int = field(default=0, init=False, repr=False)  # calls to propose
+    last: LastStep | None = field(default=None, init=False, repr=False)  # the previous step
 
     def __post_init__(self) -> None:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.neighbours < 1:
@@ -268,32 +346,47 @@ class HybridDrafter:
                 source.check_target(target)
         if self.cost is None:
             self.cost = load_or_measure(target)
+            if self.step_seconds is None:
+                self.step_seconds = cached_step_seconds(target)
 
     def propose(self, context: DraftContext) -> list[Draft]:
         if self.cost is None:
             raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
                              "call check_target(target) (the runner does), which measures it")
-        self._learn(context.token_ids)
-        tree = CandidateTree()
+        started = time.perf_counter()
+        continued = self._learn(context.token_ids)
+        self.steps += 1
+        skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
+        tree, source_seconds = CandidateTree(), {}
         draft_len = min(self.draft_len, context.max_draft_len)
         for name in self.sources if draft_len >= 1 else []:
+            if name == skip:
+                continue
+            source_started = time.perf_counter()
             if name == "dresd":  # every neighbour counts: agreement is a feature
                 neighbours = self.sources[name].neighbour_drafts(context, draft_len)
                 for draft, repeats in agreeing_prefixes(neighbours).items():
                     tree.add(draft, name, repeats)
-                continue
-            for draft in self.sources[name].propose(context):
-                tree.add(draft[:draft_len], name)
+            else:
+                for draft in self.sources[name].propose(context):
+                    tree.add(draft[:draft_len], name)
+            source_seconds[name] = time.perf_counter() - source_started
         length = len(context.token_ids)
-        self.last = (tree, length, context.token_ids[max(0, length - 16) :].copy())
-        if len(tree.tokens) == 1:
-            return []
+        step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
+                                    source_seconds, first=not continued)
+        drafts, step.verified = self._cut(tree) if len(tree.tokens) > 1 else ([], 0)
+        step.seconds = time.perf_counter() - started
+        return drafts
+
+    def _cut(self, tree: CandidateTree) -> tuple[list[Draft], int]:
+        """The candidates worth verifying (steps 2-3 of the module doc) as root paths, and how
+        many tree nodes they hold."""
         reach = tree.reach_probabilities(self.table)
         order = np.argsort(-np.asarray(reach[1:]), kind="stable")[: self.max_tree_nodes] + 1
         n = self.choose_budget([reach[i] for i in order])
         kept = set(order[:n].tolist())
         leaves = [v for v in kept if not any(c in kept for c in tree.children[v].values())]
-        return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])]
+        return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])], n
 
     def choose_budget(self, ranked_reach: list[float]) -> int:
         """How many of the candidates (most probable first) this step verifies."""
@@ -307,20 +400,34 @@ class HybridDrafter:
             if hasattr(source, "observe"):
                 source.observe(prompt, output, hidden_states)
 
-    def _learn(self, token_ids: np.ndarray) -> None:
-        """Score the previous step's candidates against the tokens that step emitted."""
+    def _learn(self, token_ids: np.ndarray) -> bool:
+        """Score the previous step's candidates against the tokens that step emitted (the
+        accepted path, then the bonus token), and its sources' time against what only they
+        found. False where `token_ids` starts a new generation."""
         if self.last is None:
-            return
-        tree, length, tail = self.last
-        self.last = None
-        if len(token_ids) <= length or not np.array_equal(token_ids[length - len(tail) : length],
-                                                          tail):
-            return  # a new generation: the last step's candidates are not comparable
+            return False
+        step, self.last = self.last, None
+        tree, length = step.tree, step.length
+        if len(token_ids) <= length or not np.array_equal(
+                token_ids[length - len(step.tail) : length], step.tail):
+            return False  # a new generation: the last step's candidates are not comparable
+        emitted = token_ids[length:].tolist()
+        accepted = len(emitted) - 1  # the last one is the bonus token
+        lost: Counter = Counter()  # source -> accepted tokens lost without it
         node = 0
-        for token in token_ids[length:].tolist():
+        for depth, token in enumerate(emitted):
             top = tree.first_child(node)
             for child in tree.children[node].values():
                 self.table.observe(tree.cell(child, child == top), tree.tokens[child] == token)
             node = tree.children[node].get(token, -1)
             if node < 0:
-                return
+                break
+            if depth < accepted and len(tree.sources[node]) == 1:
+                lost.setdefault(tree.sources[node][0], accepted - depth)  # the path breaks here
+        # A generation's first call also reads its prompt (suffix builds the prompt's tree):
+        # a cost per generation, not per step, which leaving a source out would not save.
+        if self.step_seconds and not step.first:
+            verify = self.costs[step.verified + 1] if len(self.costs) > step.verified + 1 else 1.0
+            self.ledger.record(step.source_seconds, lost, len(emitted),
+                               step.seconds + verify * self.step_seconds)
+        return True
