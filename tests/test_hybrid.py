@@ -46,12 +46,15 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_table_moves_from_its_prior_to_the_observed_rate():
     table = AcceptanceTable(prior_strength=4.0)
-    cell = (("pld",), 0, 1, True)
+    cell = (("pld",), 0, 1, True, -1)
     prior = table.probability(cell)
     # Before any observation: agreement between sources and neighbours raises the estimate,
-    # and a sibling's second choice is less likely than its first.
-    assert table.probability((("dresd", "pld"), 3, 1, True)) > prior
-    assert table.probability((("pld",), 0, 1, False)) < prior
+    # and a sibling's second choice is less likely than its first; so does the share of a
+    # suffix node's parent occurrences that continue with it.
+    assert table.probability((("dresd", "pld"), 3, 1, True, -1)) > prior
+    assert table.probability((("pld",), 0, 1, False, -1)) < prior
+    shares = [table.probability((("suffix",), 0, 1, True, bucket)) for bucket in (0, 1, 2)]
+    assert shares == sorted(set(shares))
     for accepted in [True] * 90 + [False] * 10:
         table.observe(cell, accepted)
     assert table.probability(cell) == pytest.approx((90 + 4 * prior) / 104)
@@ -59,7 +62,7 @@ def test_table_moves_from_its_prior_to_the_observed_rate():
 
 def test_a_fitted_prior_replaces_the_guess(tmp_path):
     fitted = AcceptanceTable()
-    often, rare = (("suffix",), 0, 2, True), (("rest",), 0, 1, False)
+    often, rare = (("suffix",), 0, 2, True, 2), (("rest",), 0, 1, False, -1)
     for accepted in [True] * 27 + [False] * 3:
         fitted.observe(often, accepted)
     fitted.observe(rare, True)  # tried once: too few to fit, left out
@@ -94,6 +97,16 @@ def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
     assert sum(reach[v] for v in root_children) <= 1.0 + 1e-9
     for v in range(1, len(tree.tokens)):
         assert reach[v] <= reach[tree.parents[v]]
+
+
+def test_suffix_count_shares_are_a_feature_of_the_nodes_suffix_proposes():
+    tree = CandidateTree()
+    tree.add([1, 2, 3], "suffix", shares=[0.9, 0.5, 0.1])
+    tree.add([1, 4], "pld")
+    one = tree.children[0][1]
+    two, four = tree.children[one][2], tree.children[one][4]
+    three = tree.children[two][3]
+    assert [tree.cell(v, True)[4] for v in (one, two, three, four)] == [2, 1, 0, -1]
 
 
 @pytest.mark.parametrize(("reach", "curve", "expected"), [

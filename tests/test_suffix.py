@@ -69,9 +69,9 @@ def brute_candidate(sequences, pattern, depth_limit, budget, min_prob, max_len, 
     return candidate
 
 
-def brute_drafts(drafter: SuffixDrafter, request: list[int], history: list[list[int]],
-                 max_len: int) -> list[list[int]]:
-    """The drafts by the module's rule, every match found by scanning the token lists."""
+def brute_best(drafter: SuffixDrafter, request: list[int], history: list[list[int]],
+               max_len: int) -> Candidate:
+    """The candidate by the module's rule, every match found by scanning the token lists."""
     depth = drafter.max_depth
     best = Candidate()
     stores = [[request]] + ([history] if drafter.learn and history else [])
@@ -89,7 +89,7 @@ def brute_drafts(drafter: SuffixDrafter, request: list[int], history: list[list[
                 store_best = candidate
         if which == 0 or store_best.score > best.score:
             best = store_best
-    return best.drafts()
+    return best
 
 
 # ---------------------------------------------------------------- the tries
@@ -189,10 +189,19 @@ def test_drafts_equal_brute_force_search(options):
         for step in range(0, len(output), 3):
             request = prompt + output[:step]
             max_len = int(rng.integers(1, 12))
-            got = drafter.propose(DraftContext(np.array(request), torch.zeros(1), max_len))
-            assert got == brute_drafts(drafter, request, history, max_len)
+            context = DraftContext(np.array(request), torch.zeros(1), max_len)
+            got, expected = drafter.propose(context), brute_best(drafter, request, history,
+                                                                 max_len)
+            assert got == expected.drafts()
             assert all(len(d) <= max_len for d in got)
             drafted += len(got)
+            # Each path's count shares multiply to its leaf's prob, and each is a share.
+            paths = drafter.candidate(context).paths()
+            assert [path for path, _ in paths] == got
+            leaves = [i for i in range(len(expected.tokens)) if i not in expected.parents]
+            for (_, shares), leaf in zip(paths, leaves, strict=True):
+                assert all(0 < share <= 1 for share in shares)
+                assert np.prod(shares) == pytest.approx(expected.probs[leaf])
         drafter.observe(prompt, output)
         history.append(output)
     assert drafted > 50  # matches happened: the comparison was not between empty lists

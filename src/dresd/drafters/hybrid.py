@@ -9,8 +9,10 @@ machine's verify-cost curve. At every step this drafter:
    datastore holds), merged into one trie rooted at the bonus token.
 2. Gives each node v an acceptance estimate. p(v) = P(v accepted | its parent accepted) is read
    from a table of Beta posteriors keyed by the node's features: which sources propose it, how
-   many dense neighbours agree on it (0, 1, 2-3, 4+), its depth (1, 2, 3, 4+), and whether it
-   is the first choice among its siblings (the most candidates of any source pass through it):
+   many dense neighbours agree on it (0, 1, 2-3, 4+), its depth (1, 2, 3, 4+), whether it is
+   the first choice among its siblings (the most candidates of any source pass through it),
+   and, where SuffixDecoding proposes it, the share of its parent's occurrences that continue
+   with it (count(s + [t]) / count(s): under 0.4, under 0.8, more):
 
        p(cell) = (accepted(cell) + s * prior(cell)) / (tried(cell) + s),  s = prior_strength
 
@@ -63,8 +65,8 @@ from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.models import Target
 
-# (sources, support bucket, depth bucket, first among its siblings)
-Cell = tuple[tuple[str, ...], int, int, bool]
+# (sources, support bucket, depth bucket, first among its siblings, suffix share bucket)
+Cell = tuple[tuple[str, ...], int, int, bool, int]
 
 
 def support_bucket(neighbours: int) -> int:
@@ -72,12 +74,19 @@ def support_bucket(neighbours: int) -> int:
     return 0 if neighbours == 0 else 1 if neighbours == 1 else 2 if neighbours < 4 else 3
 
 
+def share_bucket(share: float) -> int:
+    """SuffixDecoding's count(s + [t]) / count(s) for a node -> 0 (< 0.4), 1, 2 (>= 0.8)."""
+    return 0 if share < 0.4 else 1 if share < 0.8 else 2
+
+
 def prior_mean(cell: Cell) -> float:
     """A mild guess at p(cell) before any observation: 0.25 for one source at depth 1, more
     with every other source and with agreeing neighbours, less with depth, and half as much
-    for a node that is not the first choice among its siblings."""
-    sources, support, depth, first = cell
+    for a node that is not the first choice among its siblings; SuffixDecoding's share moves it
+    by 0.1 a bucket."""
+    sources, support, depth, first, share = cell
     guess = 0.25 + 0.15 * (len(sources) - 1) + 0.1 * max(support - 1, 0)
+    guess += 0.1 * (share - 1) if share >= 0 else 0.0
     return min(0.85, guess) * 0.9 ** (depth - 1) * (1.0 if first else 0.5)
 
 
@@ -109,14 +118,15 @@ class AcceptanceTable:
     def save(self, path: str | Path, min_tried: int = 20) -> None:
         """The observed rate of every cell tried at least `min_tried` times, as JSON."""
         rows = [{"sources": list(c[0]), "support": c[1], "depth": c[2], "first": c[3],
-                 "accepted": a, "tried": t} for c, (a, t) in sorted(self.counts.items())
-                if t >= min_tried]
+                 "share": c[4], "accepted": a, "tried": t}
+                for c, (a, t) in sorted(self.counts.items()) if t >= min_tried]
         Path(path).write_text(json.dumps({"cells": rows}, indent=1) + "\n")
 
     def load_prior(self, path: str | Path) -> None:
         """Take the rates a `save` wrote as this table's prior means."""
         rows = json.loads(Path(path).read_text())["cells"]
-        self.fitted = {(tuple(r["sources"]), r["support"], r["depth"], r["first"]):
+        self.fitted = {(tuple(r["sources"]), r["support"], r["depth"], r["first"],
+                        r.get("share", -1)):
                        r["accepted"] / r["tried"] for r in rows}
 
 
@@ -130,12 +140,16 @@ class CandidateTree:
     sources: list[tuple[str, ...]] = field(default_factory=lambda: [()])  # sorted names
     support: list[int] = field(default_factory=lambda: [0])  # dense neighbours through node
     votes: list[int] = field(default_factory=lambda: [0])  # candidates through node, any source
+    # SuffixDecoding's share bucket of the node (`share_bucket`); -1: not a suffix node
+    shares: list[int] = field(default_factory=lambda: [-1])
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
-    def add(self, draft: Draft, source: str, repeats: int = 1) -> None:
-        """Add one candidate (proposed `repeats` times: dense neighbours that agree)."""
+    def add(self, draft: Draft, source: str, repeats: int = 1,
+            shares: list[float] | None = None) -> None:
+        """Add one candidate (proposed `repeats` times: dense neighbours that agree; `shares`:
+        SuffixDecoding's count share of each token)."""
         node = 0
-        for token in draft:
+        for position, token in enumerate(draft):
             child = self.children[node].get(int(token))
             if child is None:
                 child = len(self.tokens)
@@ -145,12 +159,15 @@ class CandidateTree:
                 self.sources.append(())
                 self.support.append(0)
                 self.votes.append(0)
+                self.shares.append(-1)
                 self.children.append({})
                 self.children[node][int(token)] = child
             if source not in self.sources[child]:
                 self.sources[child] = tuple(sorted((*self.sources[child], source)))
             self.support[child] += repeats if source == "dresd" else 0
             self.votes[child] += repeats
+            if shares is not None:
+                self.shares[child] = max(self.shares[child], share_bucket(shares[position]))
             node = child
 
     def first_child(self, node: int) -> int:
@@ -160,7 +177,7 @@ class CandidateTree:
 
     def cell(self, node: int, first: bool) -> Cell:
         return (self.sources[node], support_bucket(self.support[node]),
-                min(self.depths[node], 4), first)
+                min(self.depths[node], 4), first, self.shares[node])
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
         """P(v) for every node: the probability that verification reaches it (root: 1)."""
@@ -367,6 +384,9 @@ class HybridDrafter:
                 neighbours = self.sources[name].neighbour_drafts(context, draft_len)
                 for draft, repeats in agreeing_prefixes(neighbours).items():
                     tree.add(draft, name, repeats)
+            elif name == "suffix":  # its count shares are a feature
+                for draft, shares in self.sources[name].candidate(context).paths():
+                    tree.add(draft[:draft_len], name, shares=shares)
             else:
                 for draft in self.sources[name].propose(context):
                     tree.add(draft[:draft_len], name)

@@ -189,17 +189,24 @@ class Candidate:
 
     def drafts(self) -> list[Draft]:
         """Root-to-leaf token paths, leaves in the order they were added."""
+        return [path for path, _ in self.paths()]
+
+    def paths(self) -> list[tuple[Draft, list[float]]]:
+        """Root-to-leaf token paths, each with its nodes' conditional probabilities
+        count(s + [t]) / count(s) = prob(s + [t]) / prob(s)."""
         has_child = set(self.parents)
-        drafts = []
+        paths = []
         for leaf in range(len(self.tokens)):
             if leaf in has_child:
                 continue
-            path, node = [], leaf
+            tokens, conditional, node = [], [], leaf
             while node >= 0:
-                path.append(self.tokens[node])
-                node = self.parents[node]
-            drafts.append(path[::-1])
-        return drafts
+                parent = self.parents[node]
+                tokens.append(self.tokens[node])
+                conditional.append(self.probs[node] / (self.probs[parent] if parent >= 0 else 1))
+                node = parent
+            paths.append((tokens[::-1], conditional[::-1]))
+        return paths
 
 
 def expand(trie: SuffixTrie, match: Node, match_len: int, budget: int, min_prob: float,
@@ -305,8 +312,12 @@ class SuffixDrafter:
         return best
 
     def propose(self, context: DraftContext) -> list[Draft]:
+        return self.candidate(context).drafts()
+
+    def candidate(self, context: DraftContext) -> Candidate:
+        """The speculation tree `propose` drafts, with its nodes' probs."""
         if context.max_draft_len < 1:
-            return []
+            return Candidate()
         self._update_request(context.token_ids)
         tail = context.token_ids[-(self.max_depth - 1) :].tolist()
         best = self.best_candidate(self.request_trie, tail, context.max_draft_len)
@@ -314,7 +325,7 @@ class SuffixDrafter:
             other = self.best_candidate(self.global_trie, tail, context.max_draft_len)
             if other.score > best.score:
                 best = other
-        return best.drafts()
+        return best
 
     def observe(self, prompt: Sequence[int], output: Sequence[int], hidden_states=None) -> None:
         """A generation finished: keep its output in the global trie, evicting oldest first."""
