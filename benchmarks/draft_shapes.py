@@ -61,6 +61,28 @@ def recorded_references(target, ar_rows: list[dict]) -> list[Reference]:
     return refs
 
 
+def recorded_run(run: Path, limit: int | None = None
+                 ) -> tuple[dict, dict[int, float], list[dict], list[Reference]]:
+    """A bench --out folder: its report, its verify-cost curve, its first `limit` AR rows and
+    their replay references (the run's model loaded in the run's dtype)."""
+    report = json.loads((run / "report.json").read_text())
+    meta = report["meta"]
+    curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
+    rows = [json.loads(line) for line in (run / "outputs.jsonl").read_text().splitlines()]
+    ar_rows = [r for r in rows if r["method"] == "ar"][:limit]
+    target = load_target(meta["model"], dtype=meta["dtype"])
+    return report, curve, ar_rows, recorded_references(target, ar_rows)
+
+
+def print_table(lines: list[str], folder: Path, name: str | None) -> None:
+    """Print a markdown table's lines; with a `name`, also write them to folder/NAME.md."""
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if name:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.md").write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--outputs", type=Path, required=True, help="a bench run's outputs.jsonl")

@@ -24,17 +24,15 @@ and the oracle is what a better ranking could still win. Results: results/headro
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from draft_shapes import recorded_references
+from draft_shapes import print_table, recorded_run
 
 from dresd.bench.replay import drafter_proposer, replay
 from dresd.calibrate import cost_at
 from dresd.drafters import make_drafter
-from dresd.models import load_target
 
 RESULTS = Path(__file__).parent / "results" / "headroom"
 TOP_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -48,11 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    meta = json.loads((args.run / "report.json").read_text())["meta"]
-    curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
-    rows = [json.loads(line) for line in (args.run / "outputs.jsonl").read_text().splitlines()]
-    refs = recorded_references(load_target(meta["model"], dtype=meta["dtype"]),
-                               [r for r in rows if r["method"] == "ar"][: args.limit])
+    report, curve, _, refs = recorded_run(args.run, args.limit)
+    meta = report["meta"]
     # A flat curve and room for every node: hybrid returns all its candidates.
     drafter = make_drafter("hybrid", datastore=meta.get("datastore"), cost={1: 1.0, 2: 1.0},
                            skip_sources=False, max_tree_nodes=10_000)
@@ -93,11 +88,7 @@ def main() -> None:
     for j, k in enumerate(TOP_K):
         lines.append(f"| {k} | {accepted[j]:.3f} | {expected[j]:.3f} | {pays[j]:.2f} |")
     lines.append(f"| oracle | {accepted[-1]:.3f} | - | {pays[-1]:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.name:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{args.name}.md").write_text(text)
+    print_table(lines, RESULTS, args.name)
 
 
 if __name__ == "__main__":

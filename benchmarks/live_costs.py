@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from draft_shapes import print_table
 
 from dresd.calibrate import cost_at, load_or_measure
 from dresd.datasets import load_prompts
@@ -87,11 +88,7 @@ def main() -> None:
     lines += ["", "| method | draft ms, median | draft ms, mean |", "| --- | ---: | ---: |"]
     lines += [f"| {m} | {1e3 * statistics.median(d):.2f} | {1e3 * np.mean(d):.2f} |"
               for m, d in draft.items()]
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.name:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{args.name}.md").write_text(text)
+    print_table(lines, RESULTS, args.name)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,14 @@ measured speedup is printed beside the estimate, to read the estimate against. W
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from draft_shapes import recorded_references
+from draft_shapes import print_table, recorded_run
 
 from dresd.bench.replay import drafter_proposer, replay, summarise
 from dresd.cli import parse_methods
 from dresd.drafters import make_drafter
-from dresd.models import load_target
 
 RESULTS = Path(__file__).parent / "results" / "replay"
 COMBINED = ("hybrid",)  # methods that combine the others: not "single methods"
@@ -41,15 +39,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    report = json.loads((args.run / "report.json").read_text())
+    report, curve, ar_rows, refs = recorded_run(args.run, args.limit)
     meta = report["meta"]
-    curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
-    rows = [json.loads(line) for line in (args.run / "outputs.jsonl").read_text().splitlines()]
-    ar_rows = [r for r in rows if r["method"] == "ar"][: args.limit]
-    ar = report["methods"]["ar"]
-    step_seconds = 1.0 / ar["tokens_per_s"]
-    target = load_target(meta["model"], dtype=meta["dtype"])
-    refs = recorded_references(target, ar_rows)
+    step_seconds = 1.0 / report["methods"]["ar"]["tokens_per_s"]
     tokens = sum(len(r["token_ids"]) for r in ar_rows)
 
     table = {}
@@ -76,11 +68,7 @@ def main() -> None:
                      f"| {t['draft_ms_per_step']:.2f} | {t['draft_share']:.1%} "
                      f"| {t['est_speedup']:.2f}x | {ratio:.2f} "
                      f"| {f'{measured:.2f}x' if measured else '-'} |")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.name:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{args.name}.md").write_text(text)
+    print_table(lines, RESULTS, args.name)
 
 
 if __name__ == "__main__":
