@@ -150,11 +150,19 @@ def test_bf16_tree_rows_are_bit_for_bit_decode_steps(default_target_bf16):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_invariant_attention_is_attention():
-    """The float64 attention is softmax(q k^T / sqrt(d) + mask) v with grouped heads (checked
-    against the formula in float32, to bf16 rounding): with a tree mask, causally without one
-    (the last rows of a longer key sequence), and for a single decode row."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["C kernel", "float64"])
+def test_invariant_attention_is_attention(kernel, monkeypatch):
+    """Both ways of invariant attention (the C kernel where it builds, float64 PyTorch ops
+    where not) are softmax(q k^T / sqrt(d) + mask) v with grouped heads (checked against the
+    formula in float32, to bf16 rounding): with a tree mask, causally without one (the last
+    rows of a longer key sequence), and for a single decode row."""
+    from dresd import cpu_attention
     from dresd.fastpath import invariant_attention
+
+    if kernel and cpu_attention.kernel() is None:
+        pytest.skip("no C compiler")
+    if not kernel:
+        monkeypatch.setattr(cpu_attention, "usable", lambda query, key: False)
 
     generator = torch.Generator().manual_seed(0)
     for rows, masked in [(1, False), (5, False), (5, True)]:

@@ -20,7 +20,7 @@ moves logits by ~1e-6 and the output is token for token plain decoding (tested).
 moved them by up to 3 units in the last place (ulp) of their magnitude (measured: default
 model, 6 GSM8K prompts, 144 positions, a 24-token verify against decode steps), enough to flip
 a near-tied token. On a CPU dresd removes the cause (`fastpath.py`): packed linear layers and
-float64-accumulated attention compute every row the same way in any batch, so bf16 speculative
+batch-invariant attention compute every row the same way in any batch, so bf16 speculative
 output is token-identical to bf16 plain decoding too (tested, and counted by `dresd bench`).
 Where that does not hold (trees over `fastpath.INVARIANT_MAX_ROWS` rows, a GPU, a model whose
 attention cannot be swapped) the rule is:

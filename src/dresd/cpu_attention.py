@@ -1,0 +1,117 @@
+"""Batch-invariant attention in C, for bf16 models on CPUs (the kernel: `cpu_attention.c`).
+
+Why a kernel: a tree's verify forward must give each node, bit for bit, what a one-token decode
+step gives it (`fastpath.invariant_attention` says why). PyTorch's fused attention sums in an
+order that depends on the batch; doing the sums in float64 with PyTorch ops makes the order
+irrelevant but costs 4x PyTorch's fused attention on a 16-token tree (0.53 vs 0.12 ms a layer on
+one core), which is most of what a tree costs beyond a decode step. The kernel keeps every sum
+in float32, in an order fixed by the code (its header says which), at about the fused cost.
+
+It is compiled once per machine with the system C compiler (`cc`, or `$CC`) into the cache
+(`$DRESD_CACHE/kernels/`), with -march=native, and loaded with ctypes. Where there is no
+compiler, or the compile fails, `kernel()` returns None and the float64 PyTorch path stays:
+slower, equally batch-invariant. `DRESD_CPU_ATTENTION=0` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+# No -ffast-math: the kernel's invariance rests on the IEEE order of its sums. Fused
+# multiply-adds are allowed: every row runs the same instructions (the kernel's header).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the CPU's model name and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
+    if os.environ.get("DRESD_CPU_ATTENTION", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    from dresd.models import cache_dir  # models imports fastpath, which imports this module
+
+    source = SOURCE.read_text()
+    digest = hashlib.sha256("\n".join([source, *FLAGS, compiler, _cpu_key()]).encode())
+    path = cache_dir() / "kernels" / f"cpu_attention-{digest.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                print(f"dresd: could not compile {SOURCE.name} (float64 attention instead):\n"
+                      f"{result.stderr.strip()}", file=sys.stderr)
+                return None
+            built.replace(path)  # atomic: another process sees a whole library or none
+    library = ctypes.CDLL(str(path))
+    function = library.dresd_attention
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64,
+                         i32, i32, i32, i32, i32, ctypes.c_float, pointer]
+    function.restype = i32
+    return library
+
+
+def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: one sequence of bf16 on the CPU, key rows
+    contiguous, a head dimension in whole blocks of 64."""
+    return (query.dtype == key.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and query.shape[0] == 1 and query.shape[-1] % 64 == 0 and key.stride(-1) == 1
+            and key.stride(-2) == key.shape[-1] and kernel() is not None)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v for query [1, heads, rows, dim] and key, value
+    [1, kv_heads, length, dim] in bf16 (check `usable` first); mask: [1, 1, rows, >= length],
+    additive or boolean, its last `length` columns read; None: causal. Returns
+    [1, rows, heads, dim], the layout transformers' attention functions return."""
+    _, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if mask is not None and mask.shape[:2] != (1, 1):
+        raise ValueError(f"expected a mask shared by all heads, got shape {tuple(mask.shape)}")
+    query = query.contiguous()
+    value = value if value.stride(-2) == dim and value.stride(-1) == 1 else value.contiguous()
+    out = torch.empty(1, rows, heads, dim, dtype=query.dtype)
+    mask_pointer, mask_stride = None, 0
+    if mask is not None:
+        rows_mask = mask[0, 0]
+        if rows_mask.dtype == torch.bool:  # True: may attend
+            rows_mask = torch.zeros(rows_mask.shape, dtype=torch.bfloat16).masked_fill_(
+                ~rows_mask, -torch.inf)
+        elif rows_mask.dtype != torch.bfloat16 or rows_mask.stride(-1) != 1:
+            rows_mask = rows_mask.to(torch.bfloat16).contiguous()  # 0 and -inf-ish stay so
+        mask_stride = rows_mask.stride(0)
+        # its last `length` columns: the keys this layer holds
+        mask_pointer = rows_mask.data_ptr() + (rows_mask.shape[1] - length) * 2
+    status = kernel().dresd_attention(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), mask_pointer, key.stride(1),
+        value.stride(1), mask_stride, heads, kv_heads, rows, length, dim, scale,
+        out.data_ptr())
+    if status != 0:
+        raise MemoryError("dresd_attention: out of memory")
+    return out
