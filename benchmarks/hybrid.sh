@@ -26,8 +26,9 @@ mkdir -p "$RESULTS"
     --threads 1 --quiet
 $DRESD calibrate --threads 1 --force  # measured afresh: run this script on a quiet machine
 
-# hybrid[skip_sources=0]: hybrid consulting every source at every step (its ledger off)
-METHODS=${METHODS:-'ar,pld,suffix,rest[max_tree_nodes=4],dresd[max_tree_nodes=4],hybrid,hybrid[skip_sources=0]'}
+# DReSD at two shapes: 4 nodes paid best before the C attention kernel made trees cheaper, 16
+# may pay now (calibrate's curve: cost(16) 1.18 with the kernel, 1.27 without, on AMX)
+METHODS=${METHODS:-'ar,pld,suffix,rest[max_tree_nodes=4],dresd[max_tree_nodes=4],dresd[max_tree_nodes=16],hybrid'}
 bench() {  # bench SET STORE DATASET LIMIT
     [ -f "$RESULTS/$1/report.json" ] || $DRESD bench --methods "$METHODS" \
         --datastore "$STORES/$2" --dataset "$3" --limit "$4" --max-new-tokens 128 \

@@ -92,3 +92,15 @@ def test_no_compiler_falls_back_to_float64(monkeypatch, tmp_path):
         assert out.shape == (1, 4, 9, 64) and torch.isfinite(out.float()).all()
     finally:
         cpu_attention.kernel.cache_clear()
+
+
+def test_reports_name_the_attention(default_target_bf16):
+    """`dresd bench` records which attention ran: the kernel for the default model in bf16
+    (where it builds), float64 for a bf16 model whose head size it does not take."""
+    from tests.conftest import tiny_model
+
+    expected = "invariant (C kernel)" if cpu_attention.kernel() else "invariant (float64)"
+    assert fastpath.attention_name(default_target_bf16.model) == expected
+    small_heads = tiny_model().to(torch.bfloat16)  # head size 16
+    assert fastpath.use_invariant_attention(small_heads)
+    assert fastpath.attention_name(small_heads) == "invariant (float64)"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
 from dresd.datastore.format import model_fingerprint
 from dresd.decoding.verify import classify_divergence, near_tie_tolerance
-from dresd.fastpath import PackedLinear, cpu_flags, prepack_linears, resolve_dtype
+from dresd.fastpath import PackedLinear, cpu_flags, cpu_model, prepack_linears, resolve_dtype
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
@@ -19,9 +21,12 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
 
 def test_cpu_flags_and_auto_dtype(tmp_path, monkeypatch):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n")
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU: v2\n"
+                       "flags\t\t: fpu sse2 avx512f avx512_bf16\n")
     assert {"avx512_bf16", "sse2"} <= cpu_flags(cpuinfo)
     assert cpu_flags(tmp_path / "missing") == set()
+    assert cpu_model(cpuinfo) == "Some CPU: v2"  # the first colon splits; the rest is the name
+    assert cpu_model(tmp_path / "missing") == platform.machine()
     monkeypatch.setattr("dresd.fastpath.cpu_flags", lambda: {"avx2"})
     assert resolve_dtype("auto") == torch.float32  # emulated bf16 would be slower than fp32
     monkeypatch.setattr("dresd.fastpath.cpu_flags", lambda: {"avx2", "amx_bf16"})

@@ -31,7 +31,7 @@ from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.device import DEVICE_HELP, device_name
 from dresd.drafters import DRAFTERS
-from dresd.fastpath import DTYPES, dtype_name, native_bf16_flags
+from dresd.fastpath import DTYPES, attention_name, cpu_model, dtype_name, native_bf16_flags
 from dresd.metrics import GenerationResult, summarize
 from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
@@ -535,7 +535,6 @@ def parse_number(value: str) -> int | float | str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import datetime
-    import platform
 
     import transformers
 
@@ -568,7 +567,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "dtype": dtype_name(target.dtype),
         "device": device_name(target.device),
         "prepacked": bool(getattr(target.model, "_dresd_prepacked", False)),
-        "cpu": platform.processor() or platform.machine(),
+        "attention": attention_name(target.model),
+        "cpu": cpu_model(),
         "cpu_native_bf16": native_bf16_flags(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -76,12 +76,16 @@ def kernel() -> ctypes.CDLL | None:
     return library
 
 
+HEAD_DIM_MULTIPLE = 64  # the kernel's BLOCK: it takes head sizes in whole blocks
+
+
 def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether the kernel takes these inputs: one sequence of bf16 on the CPU, key rows
     contiguous, a head dimension in whole blocks of 64."""
     return (query.dtype == key.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and query.shape[0] == 1 and query.shape[-1] % 64 == 0 and key.stride(-1) == 1
-            and key.stride(-2) == key.shape[-1] and kernel() is not None)
+            and query.shape[0] == 1 and query.shape[-1] % HEAD_DIM_MULTIPLE == 0
+            and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
+            and kernel() is not None)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -25,6 +25,7 @@ output equals plain decoding in the same dtype; `decoding/verify.py` states the 
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import torch
@@ -46,16 +47,29 @@ DTYPES: dict[str, torch.dtype | None] = {
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
+def cpuinfo_field(field: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
+    """The first `field : value` of /proc/cpuinfo (None where it or the field does not exist,
+    e.g. on macOS)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags") and ":" in line:
-            return set(line.split(":", 1)[1].split())
-    return set()
+        name, colon, value = line.partition(":")
+        if colon and name.strip() == field:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
+    return set((cpuinfo_field("flags", cpuinfo) or "").split())
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name, for reports (`AMD EPYC 9R14 96-Core Processor`); else its
+    architecture."""
+    return cpuinfo_field("model name", cpuinfo) or platform.machine()
 
 
 def native_bf16_flags() -> list[str]:
@@ -217,3 +231,16 @@ def use_invariant_attention(model: torch.nn.Module) -> bool:
     except (AttributeError, ValueError, NotImplementedError):  # only its own attention
         return False
     return True
+
+
+def attention_name(model: torch.nn.Module) -> str:
+    """How `model` computes attention, for reports: `invariant (C kernel)`, `invariant
+    (float64)` (no C compiler), or transformers' implementation name (`sdpa`, `eager`)."""
+    config = model.config
+    name = getattr(config, "_attn_implementation", None) or "unknown"
+    if name != INVARIANT_ATTENTION:
+        return name
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    takes = (next(model.parameters()).dtype == torch.bfloat16
+             and head_dim % cpu_attention.HEAD_DIM_MULTIPLE == 0 and cpu_attention.kernel())
+    return "invariant (C kernel)" if takes else "invariant (float64)"
