@@ -47,9 +47,9 @@ static inline uint16_t float_to_bf16(float value) {
 
 static inline vec splat(float value) { return (vec){0} + value; }
 
-/* exp(x) for x <= 0, within 1 ulp (0.87 at worst, measured on [-87, 0]): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
- * series to r^7 / 7!, times 2^n built in the exponent bits; 0 below -87 (2^n would be
- * subnormal). */
+/* exp(x) for x <= 0, within 1 ulp (0.87 at worst, measured on [-87, 0]): x = n ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 / 7!, times 2^n built in the exponent
+ * bits; 0 below -87 (2^n would be subnormal). */
 static inline vec exp_nonpositive(vec x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     ivec keep = x >= splat(-87.0f);        /* all ones where x >= -87 (-inf: all zeros) */
@@ -154,8 +154,9 @@ static void weigh_values(const float *const weights[ROWS], const float *values, 
 }
 
 /* query: heads x rows x dim; keys, values: kv_heads x length x dim (head stride given, rows
- * contiguous; dim a multiple of BLOCK); mask: rows x mask_stride additive bf16, the last `length` columns used, or
- * NULL for causal (row r sees keys up to length - rows + r); out: rows x heads x dim.
+ * contiguous; dim a multiple of BLOCK); mask: rows x mask_stride additive bf16, the last
+ * `length` columns used, or NULL for causal (row r sees keys up to length - rows + r);
+ * out: rows x heads x dim.
  * Returns 0, or -1 when out of memory. */
 int dresd_attention(const uint16_t *query, const uint16_t *keys, const uint16_t *values,
                     const uint16_t *mask, int64_t key_head_stride, int64_t value_head_stride,

@@ -35,12 +35,9 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", 
 
 def _cpu_key() -> str:
     """What -march=native compiles for: the CPU's model name and flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(wanted)))
+    from dresd.fastpath import cpu_flags, cpu_model  # fastpath imports this module
+
+    return "\n".join([cpu_model(), *sorted(cpu_flags())])
 
 
 @functools.cache
@@ -79,13 +76,18 @@ def kernel() -> ctypes.CDLL | None:
 HEAD_DIM_MULTIPLE = 64  # the kernel's BLOCK: it takes head sizes in whole blocks
 
 
-def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: one sequence of bf16 on the CPU, key rows
-    contiguous, a head dimension in whole blocks of 64."""
-    return (query.dtype == key.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and query.shape[0] == 1 and query.shape[-1] % HEAD_DIM_MULTIPLE == 0
-            and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
+def takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a CPU model of this dtype and head size runs on the kernel (where it builds)."""
+    return (dtype == torch.bfloat16 and head_dim % HEAD_DIM_MULTIPLE == 0
             and kernel() is not None)
+
+
+def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernel takes these inputs: `takes` their dtype and head size, one sequence
+    on the CPU, key rows contiguous."""
+    return (query.device.type == "cpu" and query.shape[0] == 1 and key.dtype == query.dtype
+            and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
+            and takes(query.dtype, query.shape[-1]))
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

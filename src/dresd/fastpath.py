@@ -241,6 +241,5 @@ def attention_name(model: torch.nn.Module) -> str:
     if name != INVARIANT_ATTENTION:
         return name
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    takes = (next(model.parameters()).dtype == torch.bfloat16
-             and head_dim % cpu_attention.HEAD_DIM_MULTIPLE == 0 and cpu_attention.kernel())
-    return "invariant (C kernel)" if takes else "invariant (float64)"
+    kernel = cpu_attention.takes(next(model.parameters()).dtype, head_dim)
+    return "invariant (C kernel)" if kernel else "invariant (float64)"
