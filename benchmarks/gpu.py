@@ -45,11 +45,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from dresd.calibrate import filled_cache, measure_verify_seconds, random_tree
 from dresd.decoding import speculative_generate
 from dresd.decoding.cache import keep_cache_entries
+from dresd.decoding.drafter import Draft, DraftContext
 from dresd.decoding.generate import target_forward
 from dresd.decoding.verify import classify_divergence, greedy_accept
 from dresd.device import clock, device_name, resolve_device
 from dresd.drafters import HybridDrafter, NoDrafter, PromptLookupDrafter
-from dresd.drafters.base import Draft, DraftContext
 from dresd.fastpath import dtype_name
 from dresd.metrics import summarize
 

@@ -33,7 +33,7 @@ from dresd.datastore import index as key_index
 from dresd.datastore.dense import DOC_STARTS_FILE, OFFSETS_FILE, STREAM_FILE, TRANSFORM_FILE
 from dresd.datastore.format import Manifest
 from dresd.datastore.transform import KeyTransform
-from dresd.drafters.base import DraftContext
+from dresd.decoding.drafter import DraftContext
 from dresd.drafters.dense import DenseDrafter
 
 HIDDEN, DIM, VOCAB, CENTRES = 576, 64, 49152, 2000

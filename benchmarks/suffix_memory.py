@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dresd.datasets import data_dir, read_jsonl
-from dresd.drafters.base import DraftContext
+from dresd.decoding.drafter import DraftContext
 from dresd.drafters.suffix import SuffixDrafter, SuffixTrie
 from dresd.models import default_model_dir
 

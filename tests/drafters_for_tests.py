@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 
 
 class RandomTreeDrafter:

@@ -24,7 +24,7 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
 from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.drafters.base import DraftContext
+from dresd.decoding.drafter import DraftContext
 from dresd.drafters.hybrid import (
     AcceptanceTable,
     CandidateTree,

@@ -11,8 +11,8 @@ import test_sampling
 import torch
 from test_lossless_greedy import reference_greedy, spec, varied_prompts
 
+from dresd.decoding.drafter import DraftContext
 from dresd.drafters import SuffixDrafter, make_drafter
-from dresd.drafters.base import DraftContext
 from dresd.drafters.suffix import Candidate, SuffixTrie, speculation_budget
 
 

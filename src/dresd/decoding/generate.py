@@ -25,11 +25,11 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.decoding.cache import keep_cache_entries
+from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 from dresd.decoding.verify import greedy_accept, sampling_accept
 from dresd.device import clock
-from dresd.drafters.base import DraftContext, Drafter
 from dresd.metrics import GenerationResult, StepRecord
 
 

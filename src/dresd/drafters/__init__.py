@@ -1,8 +1,8 @@
-"""Drafters, one module each, behind the interface in `base.py`."""
+"""Drafters, one module each, behind the interface in `dresd/decoding/drafter.py`."""
 
 from __future__ import annotations
 
-from dresd.drafters.base import Draft, DraftContext, Drafter
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.hybrid import HybridDrafter
 from dresd.drafters.lookup import PromptLookupDrafter

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dresd.datastore.dense import DenseDatastore
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target

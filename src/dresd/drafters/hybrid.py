@@ -58,7 +58,7 @@ import numpy as np
 from dresd.calibrate import cached_step_seconds, cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter

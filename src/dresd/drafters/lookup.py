@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 
 
 @dataclass

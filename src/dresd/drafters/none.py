@@ -6,7 +6,7 @@ target forward.
 
 from __future__ import annotations
 
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 
 
 class NoDrafter:

@@ -43,7 +43,7 @@ import numpy as np
 from dresd.datastore.format import Manifest
 from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datastore
-from dresd.drafters.base import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext
 from dresd.drafters.learned import LearnedSparseStore, merged_prefix_drafts
 from dresd.drafters.prefixes import most_frequent_prefixes
 from dresd.models import Target
