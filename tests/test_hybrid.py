@@ -4,7 +4,6 @@ and learning from what the target emitted. (Losslessness: test_lossless_greedy, 
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -282,14 +281,28 @@ def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed()
     assert lost == Counter(pld=1) and emitted == 4 and step_seconds > 0.003
 
 
-class SlowGuesser:
-    """A source that takes 10 ms and proposes a token the model never emits."""
+class ManualClock:
+    """Seconds that pass only when a test advances them: a verdict that weighs time must not
+    depend on how loaded the machine running the test is."""
 
-    calls = 0
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowGuesser:
+    """A source that takes 10 ms on `clock` and proposes a token the model never emits (the
+    other sources take no time on it)."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.calls = 0
 
     def propose(self, context: DraftContext) -> list[list[int]]:
         self.calls += 1
-        time.sleep(0.010)
+        self.clock.now += 0.010
         return [[10**6]]
 
 
@@ -302,7 +315,8 @@ def test_hybrid_consults_a_source_that_does_not_pay_only_to_check_it(step_second
     refs = recorded("humaneval")[:2]
     drafter = HybridDrafter(cost=CURVES["this CPU, bf16"], step_seconds=step_seconds,
                             skip_sources=skip_sources)
-    drafter.sources["slow"] = guesser = SlowGuesser()
+    drafter.clock = ManualClock()
+    drafter.sources["slow"] = guesser = SlowGuesser(drafter.clock)
     steps, _ = replay(refs, drafter_proposer(drafter, refs), drafter)
     assert len(steps) > 60 and sum(accepted for _, accepted in steps) > len(steps) // 2
     if step_seconds is None or not skip_sources:
