@@ -154,7 +154,8 @@ def write_report(report: dict, records: list[BenchRecord], out: Path) -> None:
 
 
 def write_plots(report: dict, out: Path) -> None:
-    """speedup.png, per_position_acceptance.png, accepted_length.png."""
+    """speedup.png, per_position_acceptance.png, accepted_length.png, each legend to the right
+    of its axes, where it covers no bar or curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,7 +164,7 @@ def write_plots(report: dict, out: Path) -> None:
     methods = list(report["methods"])
     groups = [(f"{d}/{c}" if len(cats) > 1 else d, table)
               for d, cats in report["categories"].items() for c, table in cats.items()]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * len(methods) / 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 0.3 * len(groups) * len(methods) + 1.5), 4))
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
         values = [table.get(method, {}).get("speedup") or 0 for _, table in groups]
@@ -172,10 +173,7 @@ def write_plots(report: dict, out: Path) -> None:
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))])
     ax.set_xticklabels([name for name, _ in groups], rotation=30, ha="right")
     ax.set_ylabel("speedup over AR (tokens/s ratio)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out / "speedup.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, f in report["methods"].items():
@@ -185,10 +183,7 @@ def write_plots(report: dict, out: Path) -> None:
     ax.set_xlabel("draft position d")
     ax.set_ylabel("P(accepted >= d | drafted to depth d)")
     ax.set_ylim(0, 1)
-    _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "per_position_acceptance.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out / "per_position_acceptance.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, f in report["methods"].items():
@@ -199,12 +194,17 @@ def write_plots(report: dict, out: Path) -> None:
             ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=method)
     ax.set_xlabel("tokens emitted per verify step (accepted + bonus)")
     ax.set_ylabel("fraction of steps")
-    _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out / "accepted_length.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, out / "accepted_length.png")
 
 
-def _legend(ax) -> None:
+def _save(fig, ax, path: Path) -> None:
+    """Write the figure with its legend outside the axes: inside, the legend sits over the
+    tallest bars or the highest curves, the very ones a reader looks for."""
+    import matplotlib.pyplot as plt  # loaded by write_plots, after choosing its backend
+
     if ax.get_legend_handles_labels()[0]:  # a legend only where something was drawn
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  frameon=False)
+    # the axes keep their size; the saved image grows to hold the legend and the tick labels
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
