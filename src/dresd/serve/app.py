@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from time import perf_counter
 
@@ -25,6 +25,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.metrics import GenerationResult, summarize
 from dresd.serve import protocol
+from dresd.serve.auth import APIKeyCheck
 from dresd.serve.engine import Engine, Job, RequestError, check_context, request_settings
 from dresd.serve.metrics import ServerMetrics
 
@@ -34,8 +35,15 @@ log = logging.getLogger("dresd.serve")
 DISCONNECT_POLL_S = 0.25
 
 
-def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] = ()) -> FastAPI:
-    metrics = ServerMetrics(model_name)
+def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] = (),
+               api_key: str | None = None, metrics_open: bool = False,
+               metrics: ServerMetrics | None = None,
+               metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+    """The app over `engine`. `api_key`: every request but /health (and /metrics with
+    `metrics_open`) must carry it (auth.py). `metrics` / `metrics_text`: where the figures are
+    recorded and how /metrics renders them, when not this process's alone (a Ray Serve replica
+    reports every replica's, ray_serve.py)."""
+    metrics = metrics if metrics is not None else ServerMetrics(model_name)
     accepted_names = {model_name, *model_aliases}
 
     @asynccontextmanager
@@ -45,6 +53,8 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         engine.stop()
 
     app = FastAPI(title="dresd", lifespan=lifespan)
+    if api_key:  # added first, so it runs inside the request log: a refusal is logged too
+        app.add_middleware(APIKeyCheck, api_key=api_key, metrics_open=metrics_open)
     app.add_middleware(RequestLog)
 
     # -- errors: OpenAI's error object, never a traceback --------------------------------
@@ -94,8 +104,9 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return PlainTextResponse(metrics.render(engine.running, engine.waiting),
-                                 media_type="text/plain; version=0.0.4")
+        text = (await metrics_text() if metrics_text is not None
+                else metrics.render(engine.running, engine.waiting))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:

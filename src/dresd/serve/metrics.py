@@ -95,6 +95,27 @@ class ServerMetrics:
     def record_rejected(self, status: int) -> None:
         self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
 
+    def add(self, other: ServerMetrics) -> None:
+        """Add another process's figures to these (Ray Serve replicas, ray_serve.py). Every
+        figure here is a count or a sum, and the ratios are computed from them at `render`, so
+        the pooled ratios are those of one server that had served every replica's requests."""
+        for name, value in vars(other).items():
+            mine = getattr(self, name)
+            if isinstance(value, Histogram):
+                mine.counts = [a + b for a, b in zip(mine.counts, value.counts, strict=True)]
+                mine.total += value.total
+                mine.sum += value.sum
+            elif isinstance(value, dict):
+                for key, count in value.items():
+                    mine[key] = mine.get(key, 0) + count
+            elif isinstance(value, list):
+                mine.extend([0] * (len(value) - len(mine)))
+                for i, count in enumerate(value):
+                    mine[i] += count
+            elif isinstance(value, int | float):
+                setattr(self, name, mine + value)
+            # anything else (the labels) is the same for every replica
+
     def render(self, running: int, waiting: int) -> str:
         lab = self.labels
         lines: list[str] = []

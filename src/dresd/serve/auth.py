@@ -1,0 +1,101 @@
+"""The server's API key (`dresd serve --api-key KEY`, or `DRESD_API_KEY`), as vLLM's and
+llama.cpp's servers have one.
+
+Every request must carry `Authorization: Bearer KEY`, except `GET /health` (load balancers and
+Ray Serve probe it without credentials) and, with `--metrics-open`, `GET /metrics` (for a
+Prometheus scraper that holds no key). Anything else gets 401 with OpenAI's error object,
+`{"error": {"message", "type": "invalid_request_error", "param": null, "code":
+"invalid_api_key"}}`, which the `openai` client raises as `AuthenticationError`.
+
+The key is compared in constant time (`hmac.compare_digest` of the two SHA-256 digests, so the
+comparison takes as long for a key of another length) and never written anywhere: the refusal
+says only whether a key was given, the request log never sees headers, and the start-up line
+says "API key: required", not the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+# Paths answered without the key: liveness probes carry no credentials.
+OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
+API_KEY_ENV = "DRESD_API_KEY"
+
+
+def _digest(key: str | bytes) -> bytes:
+    raw = key.encode("utf-8") if isinstance(key, str) else key
+    return hashlib.sha256(raw).digest()
+
+
+def unauthorized_body(key_given: bool) -> dict:
+    """OpenAI's 401 error object. The message never repeats the key that was sent."""
+    message = ("Incorrect API key provided." if key_given else
+               "You didn't provide an API key. You need to provide your API key in an "
+               "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_api_key"}}
+
+
+class APIKeyCheck:
+    """ASGI middleware: refuses (401) every HTTP request without `Authorization: Bearer KEY`,
+    but for the open paths. It sits inside the request log (a refusal gets its log line) and
+    outside everything else, so a refused request reaches no route and no body parser."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics_open: bool = False) -> None:
+        if not api_key:
+            raise ValueError("the API key is empty")
+        self.app = app
+        self.expected = _digest(api_key)  # the key itself is not kept
+        self.open_paths = OPEN_PATHS | ({METRICS_PATH} if metrics_open else set())
+
+    def authorized(self, scope: Scope) -> tuple[bool, bool]:
+        """(authorized, a key was given)."""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False, True
+                return hmac.compare_digest(_digest(token.strip()), self.expected), True
+        return False, False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        authorized, key_given = self.authorized(scope)
+        if authorized:
+            await self.app(scope, receive, send)
+            return
+        log_entry = scope.get("state", {}).get("log")
+        if log_entry is not None:  # the request log's line says why, without the key
+            log_entry["error"] = "wrong API key" if key_given else "no API key"
+        body = json.dumps(unauthorized_body(key_given)).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server that anyone who reaches the port may use."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"dresd serve binds {host} without an API key: anyone who can reach this port can "
+            f"generate with the model. Give --api-key KEY (or set {API_KEY_ENV}).")
