@@ -171,7 +171,7 @@ def saved_output(path, target: Target, **made_by) -> CorpusSpec:
 
 
 def test_outputs_of_another_model_or_tokenizer_are_refused(tmp_path, corpora, default_target):
-    from dresd.datastore.format import model_fingerprint, tokenizer_fingerprint
+    from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 
     store = build(default_target, corpora[0], tmp_path / "store", "sparse")
     manifest_text = (store / "manifest.json").read_text()

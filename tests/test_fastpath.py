@@ -7,9 +7,10 @@ import platform
 import pytest
 import torch
 
-from dresd.datastore.format import model_fingerprint
 from dresd.decoding.verify import classify_divergence, near_tie_tolerance
-from dresd.fastpath import PackedLinear, cpu_flags, cpu_model, prepack_linears, resolve_dtype
+from dresd.fastpath import PackedLinear, prepack_linears, resolve_dtype
+from dresd.fingerprint import model_fingerprint
+from dresd.host import cpu_flags, cpu_model
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
@@ -27,9 +28,9 @@ def test_cpu_flags_and_auto_dtype(tmp_path, monkeypatch):
     assert cpu_flags(tmp_path / "missing") == set()
     assert cpu_model(cpuinfo) == "Some CPU: v2"  # the first colon splits; the rest is the name
     assert cpu_model(tmp_path / "missing") == platform.machine()
-    monkeypatch.setattr("dresd.fastpath.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("dresd.host.cpu_flags", lambda: {"avx2"})
     assert resolve_dtype("auto") == torch.float32  # emulated bf16 would be slower than fp32
-    monkeypatch.setattr("dresd.fastpath.cpu_flags", lambda: {"avx2", "amx_bf16"})
+    monkeypatch.setattr("dresd.host.cpu_flags", lambda: {"avx2", "amx_bf16"})
     assert resolve_dtype("auto") == torch.bfloat16
     assert resolve_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):

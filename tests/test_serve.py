@@ -301,7 +301,7 @@ def test_a_full_queue_is_503(servers):
 
 def test_saved_outputs_hold_the_exact_ids(servers, default_target):
     """--save-outputs: each generation a corpus row, ids as the model saw and produced them."""
-    from dresd.datastore.format import model_fingerprint
+    from dresd.fingerprint import model_fingerprint
 
     small, saved = servers[1], servers[2]
     client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,

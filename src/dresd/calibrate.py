@@ -27,27 +27,24 @@ import re
 import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from dresd.datastore.format import model_fingerprint
+from dresd.decoding.generate import target_forward
+from dresd.decoding.tree import DraftTree
 from dresd.device import clock, device_name
 from dresd.fastpath import dtype_name
-from dresd.models import Target, cache_dir
-
-if TYPE_CHECKING:
-    from dresd.decoding.tree import DraftTree
+from dresd.fingerprint import model_fingerprint
+from dresd.host import cache_dir
+from dresd.models import Target
 
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
     """A bushy tree of exactly `size` nodes (root included), like merged retrieval drafts."""
-    from dresd.decoding.tree import DraftTree  # the decoding package imports the drafters
-
     tree = DraftTree.from_drafts(int(rng.integers(vocab)), [])
     leaves: list[list[int]] = []
     while len(tree) < size:
@@ -109,8 +106,6 @@ def measure_verify_seconds(model: torch.nn.Module, sizes: tuple[int, ...] = TREE
 def filled_cache(model: torch.nn.Module, context_len: int, rng: np.random.Generator
                  ) -> DynamicCache:
     """A KV cache holding `context_len` random tokens."""
-    from dresd.decoding.generate import target_forward  # it imports the drafters: this one too
-
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     ids = rng.integers(model.config.vocab_size, size=context_len).tolist()
@@ -122,8 +117,6 @@ def timed_verify(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree,
                  context_len: int) -> float:
     """Seconds of one verify over `tree` on `cache` (its mask built, then the forward), which
     holds `context_len` tokens and is cropped back to them afterwards."""
-    from dresd.decoding.generate import target_forward  # it imports the drafters: this one too
-
     parameter = next(model.parameters())
     device, dtype = parameter.device, parameter.dtype
     ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)

@@ -31,7 +31,8 @@ from dresd.datastore.format import DatastoreError
 from dresd.decoding import SamplingConfig
 from dresd.device import DEVICE_HELP, device_name
 from dresd.drafters import DRAFTERS
-from dresd.fastpath import DTYPES, attention_name, cpu_model, dtype_name, native_bf16_flags
+from dresd.fastpath import DTYPES, attention_name, dtype_name
+from dresd.host import cpu_model, native_bf16_flags
 from dresd.metrics import GenerationResult, summarize
 from dresd.models import DEFAULT_MODEL, ModelError, Target, ensure_default_model, load_target
 from dresd.prompts import encode_prompt
@@ -469,7 +470,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def output_origin(target: Target) -> dict:
     """Who makes the outputs: saved with them, checked when they are built into a store."""
-    from dresd.datastore.format import model_fingerprint, tokenizer_fingerprint
+    from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 
     return {"model": target.name, "model_fingerprint": model_fingerprint(target.model),
             "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer)}

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.fingerprint import tokenizer_fingerprint
 from dresd.prompts import encode_prompt
 
 STDLIB = "stdlib"
@@ -224,8 +225,6 @@ def check_token_ids_origin(documents: Sequence[Document], tokenizer: PreTrainedT
                            model_fingerprint: str | None) -> None:
     """Refuse saved outputs made by another tokenizer (their ids would be garbage here) or,
     when `model_fingerprint` is given, by another model (they are not this model's outputs)."""
-    from dresd.datastore.format import tokenizer_fingerprint  # format imports models: no cycle
-
     expected: dict[str, str | None] | None = None  # computed once, if any row has ids
     for doc in documents:
         if doc.made_by is None:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from dresd.host import cache_dir, cpu_flags, cpu_model
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # No -ffast-math: the kernel's invariance rests on the IEEE order of its sums. Fused
 # multiply-adds are allowed: every row runs the same instructions (the kernel's header).
@@ -35,8 +37,6 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", 
 
 def _cpu_key() -> str:
     """What -march=native compiles for: the CPU's model name and flags."""
-    from dresd.fastpath import cpu_flags, cpu_model  # fastpath imports this module
-
     return "\n".join([cpu_model(), *sorted(cpu_flags())])
 
 
@@ -48,8 +48,6 @@ def kernel() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    from dresd.models import cache_dir  # models imports fastpath, which imports this module
-
     source = SOURCE.read_text()
     digest = hashlib.sha256("\n".join([source, *FLAGS, compiler, _cpu_key()]).encode())
     path = cache_dir() / "kernels" / f"cpu_attention-{digest.hexdigest()[:16]}.so"

@@ -25,15 +25,13 @@ output equals plain decoding in the same dtype; `decoding/verify.py` states the 
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
-
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from dresd import cpu_attention
+from dresd.host import native_bf16_flags
 
 # The --dtype choices; "auto" resolves with `resolve_dtype`.
 DTYPES: dict[str, torch.dtype | None] = {
@@ -42,41 +40,6 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-# CPU flags (as /proc/cpuinfo names them) for native bf16 matrix multiplication.
-NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-
-def cpuinfo_field(field: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
-    """The first `field : value` of /proc/cpuinfo (None where it or the field does not exist,
-    e.g. on macOS)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        name, colon, value = line.partition(":")
-        if colon and name.strip() == field:
-            return value.strip()
-    return None
-
-
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
-    return set((cpuinfo_field("flags", cpuinfo) or "").split())
-
-
-def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
-    """The CPU's model name, for reports (`AMD EPYC 9R14 96-Core Processor`); else its
-    architecture."""
-    return cpuinfo_field("model name", cpuinfo) or platform.machine()
-
-
-def native_bf16_flags() -> list[str]:
-    """The native-bf16 flags this CPU has, in `NATIVE_BF16_FLAGS` order."""
-    flags = cpu_flags()
-    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
-
 
 def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype for a --dtype value; `auto` is bf16 where the device multiplies it

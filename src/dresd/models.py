@@ -8,8 +8,6 @@ folder and cache it under `$DRESD_CACHE` (default `~/.cache/dresd`), outside the
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +22,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.device import resolve_device
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
+from dresd.fingerprint import model_fingerprint
+from dresd.host import cache_dir, file_sha256
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -67,11 +67,6 @@ class Target:
     def max_length(self) -> int | None:
         """The longest sequence (prompt + output) the model accepts, if it says."""
         return getattr(self.model.config, "max_position_embeddings", None)
-
-
-def cache_dir() -> Path:
-    """Where dresd keeps converted models and other downloads (`$DRESD_CACHE` moves it)."""
-    return Path(os.environ.get("DRESD_CACHE", Path.home() / ".cache" / "dresd"))
 
 
 def default_model_dir() -> Path:
@@ -122,15 +117,6 @@ def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
     return gguf_path
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantise a GGUF checkpoint into a plain fp32 transformers folder."""
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -167,8 +153,6 @@ def load_target(
     The datastore fingerprint is taken from the checkpoint's own weights before the cast, so
     that a datastore serves the same checkpoint in any dtype.
     """
-    from dresd.datastore.format import model_fingerprint  # format imports this module
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name)

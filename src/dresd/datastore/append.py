@@ -67,7 +67,8 @@ from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import SPARSE_DIR, kinds, write_sparse_part
 from dresd.datastore.transform import KeyTransform
 from dresd.fastpath import dtype_name
-from dresd.models import Target, file_sha256
+from dresd.host import file_sha256
+from dresd.models import Target
 
 
 def staging_dir(folder: Path) -> Path:

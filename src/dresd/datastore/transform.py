@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dresd.datastore.format import save_npz_atomic
+
 STD_FLOOR = 1e-6  # a constant dimension gets this std, not a division by zero
 
 
@@ -95,8 +97,6 @@ class KeyTransform:
 
     def save(self, path: str | Path) -> None:
         """An `.npz` file, written atomically; the same transform always gives the same bytes."""
-        from dresd.datastore.format import save_npz_atomic  # format imports the models
-
         save_npz_atomic(Path(path), {"mean": self.mean, "std": self.std,
                                      "components": self.components,
                                      "explained": np.float64(self.explained)})
