@@ -1,0 +1,279 @@
+"""The speculative loop over many sequences at once: one target forward per step for all.
+
+    admit waiting requests (up to `max_batch_size` running)
+    loop, one step:
+      1. every running sequence contributes its rows: a prompt chunk while it prefills, else
+         its drafter's drafts after its last token, merged into a token tree
+      2. one forward over every sequence's rows (`decoding/forward.py`): each row sees its own
+         sequence's cache and its own ancestors
+      3. per sequence: a prompt's last chunk gives the first token; a tree gives the longest
+         path the target agrees with, plus one token of its own
+      4. per sequence: keep only the accepted path in its cache; the hidden state of the last
+         accepted node is its drafter's next query
+      5. emit the new tokens one by one, stopping where plain decoding would; a finished or
+         cancelled sequence leaves, and a waiting one takes its place at the next step
+
+Single-stream generation is the batch of one (`generate.speculative_generate`).
+
+Exactness, batched: the forward computes every row from its own sequence alone (see
+forward.py), acceptance reads only its own sequence's logits, and a sampled sequence draws
+from its own generator; so a sequence's output is the same whatever shares its forwards and
+whenever it arrived. Prompt chunks start at fixed multiples of `prefill_chunk`, never where the
+load puts them, so a prompt's cache is computed the same way in any batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dresd.decoding.drafter import DraftContext, Drafter
+from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
+from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
+from dresd.decoding.stopping import StoppingRule
+from dresd.decoding.tree import DraftTree
+from dresd.decoding.verify import greedy_accept, sampling_accept
+from dresd.device import clock
+from dresd.metrics import GenerationResult, StepRecord
+
+PREFILL_CHUNK = 512  # prompt tokens per chunk; a chunk rides in one step beside the others
+
+
+@dataclass
+class Request:
+    """One generation: a prompt, the drafter that drafts for it, and when it stops."""
+
+    prompt: Sequence[int]
+    drafter: Drafter
+    max_new_tokens: int = 128
+    sampling: SamplingConfig | None = None  # None: greedy
+    eos_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+    tokenizer: PreTrainedTokenizerBase | None = None  # needed for stop strings
+    max_length: int | None = None  # prompt + output at most (the model's context)
+    # Gets each step's emitted tokens as they are accepted (streaming); returning False
+    # cancels the generation there (stop reason "cancelled").
+    on_tokens: Callable[[list[int]], bool | None] | None = None
+
+
+@dataclass
+class Running:
+    """A request's state while it is in the batch."""
+
+    request: Request
+    cache: object  # its KV cache (the forward's handle)
+    context: np.ndarray  # prompt + output; the cache holds all but the last of its `n` tokens
+    n: int
+    stopping: StoppingRule
+    generator: torch.Generator | None
+    result: GenerationResult
+    started: float
+    prefilled: int = 0  # prompt tokens in the cache so far
+    query: torch.Tensor | None = None  # the hidden state that predicted the last token
+    tree: DraftTree | None = None  # this step's tree
+    draft_seconds: float = 0.0
+    states: list[torch.Tensor] = field(default_factory=list)  # for a drafter that learns
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+
+class BatchEngine:
+    """Runs many requests through one model, one forward per step for all of them."""
+
+    def __init__(self, model: PreTrainedModel, max_batch_size: int = 16,
+                 prefill_chunk: int = PREFILL_CHUNK, prefill_chunks_per_step: int = 1) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.model = model
+        self.forward = make_forward(model)
+        self.device = next(model.parameters()).device
+        self.tree_attention = supports_tree_attention(model)
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.prefill_chunks_per_step = prefill_chunks_per_step
+        self.waiting: deque[Running] = deque()
+        self.running: list[Running] = []
+        self.steps = 0  # forwards run so far
+
+    def add(self, request: Request) -> Running:
+        """Queue a request; it joins the batch at a step when there is room."""
+        prompt = list(request.prompt)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        sampling = request.sampling
+        state = Running(
+            request=request,
+            cache=None,
+            context=np.array(prompt + [0] * (request.max_new_tokens + 1), dtype=np.int64),
+            n=len(prompt),
+            stopping=StoppingRule(request.max_new_tokens, request.eos_token_ids,
+                                  request.stop_strings, request.tokenizer),
+            generator=sampling.generator(self.device) if sampling else None,
+            result=GenerationResult(token_ids=[]),
+            started=clock(self.device),
+        )
+        self.waiting.append(state)
+        return state
+
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.busy():
+            self.step()
+
+    def step(self) -> list[Running]:
+        """One forward for every running sequence; returns the sequences that finished."""
+        while self.waiting and len(self.running) < self.max_batch_size:
+            state = self.waiting.popleft()
+            state.cache = self.forward.new_sequence()
+            self.running.append(state)
+
+        # 1. Every running sequence's rows: a prompt chunk, or its draft tree.
+        segments, members = [], []
+        chunks = 0
+        for state in self.running:
+            if state.prefilling:
+                if chunks == self.prefill_chunks_per_step:
+                    continue  # its next chunk waits for a later step
+                chunks += 1
+                segments.append(self._prompt_chunk(state))
+            else:
+                segments.append(self._draft(state))
+            members.append(state)
+        if not segments:
+            return []
+
+        # 2. One forward over all of them.
+        forward_started = clock(self.device)
+        outputs = self.forward(segments)
+        self.steps += 1
+
+        finished = []
+        for state, segment, output in zip(members, segments, outputs, strict=True):
+            if state.prefilling:
+                state.prefilled += len(segment)
+                if state.prefilling:
+                    continue
+                # 3a. The prompt's last position gives the first token.
+                state.result.prefill_seconds = clock(self.device) - state.started
+                state.query = output.hidden[-1]
+                state.states.append(output.hidden[-1:])
+                emitted = [self._choose(state, output.logits[-1])]
+            else:
+                emitted = self._accept(state, segment, output, forward_started)
+            # 5. Emit, stop where plain decoding stops.
+            if self._emit(state, emitted):
+                finished.append(state)
+        for state in finished:
+            self._finish(state)
+        return finished
+
+    def cancel(self, state: Running) -> None:
+        """Stop a request now (a client that went away)."""
+        if state in self.waiting:
+            self.waiting.remove(state)
+            state.result.stop_reason = "cancelled"
+        elif state in self.running:
+            state.result.stop_reason = "cancelled"
+            self._finish(state)
+
+    def _prompt_chunk(self, state: Running) -> Segment:
+        start = state.prefilled
+        end = min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        last = end == state.prompt_len
+        return Segment(state.cache, list(state.request.prompt[start:end]), start,
+                       logits_rows="last" if last else "none")
+
+    def _draft(self, state: Running) -> Segment:
+        request, result = state.request, state.result
+        started = clock(self.device)
+        max_length = request.max_length or state.prompt_len + request.max_new_tokens
+        max_draft_len = min(request.max_new_tokens - len(result.token_ids) - 1,
+                            max_length - state.n)
+        drafts = []
+        if max_draft_len > 0:
+            context = DraftContext(state.context[: state.n], state.query, max_draft_len)
+            drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
+        if not self.tree_attention:
+            drafts = drafts[:1]  # a causal mask can only verify one linear draft
+        tree = DraftTree.from_drafts(int(state.context[state.n - 1]), drafts)
+        state.tree = tree
+        state.draft_seconds = clock(self.device) - started
+        linear = tree.is_linear()
+        return Segment(state.cache, tree.tokens, state.n - 1,
+                       depths=None if linear else tree.depths,
+                       ancestors=None if linear else tree.ancestor_matrix(self.device))
+
+    def _choose(self, state: Running, logits: torch.Tensor) -> int:
+        sampling = state.request.sampling
+        if sampling is None:
+            return int(logits.argmax())
+        return sample(next_token_probs(logits, sampling), state.generator)
+
+    def _accept(self, state: Running, segment: Segment, output: SegmentOutput,
+                forward_started: float) -> list[int]:
+        tree = state.tree
+        # 3b. The longest path the target agrees with, plus its own next token.
+        if state.request.sampling is None:
+            path, bonus = greedy_accept(tree, output.logits)
+        else:
+            path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
+                                          state.generator)
+        # 4. Only the accepted path stays in the cache; its last state is the next query.
+        self.forward.keep(state.cache, segment.start, path)
+        state.query = output.hidden[path[-1]]
+        state.states.append(output.hidden[path])
+        state.result.steps.append(StepRecord(
+            num_drafted=tree.num_drafted,
+            num_accepted=len(path) - 1,
+            draft_depth=tree.depth,
+            draft_seconds=state.draft_seconds,
+            # the whole step's forward, shared by every sequence in it, and this acceptance
+            verify_seconds=clock(self.device) - forward_started,
+        ))
+        return [tree.tokens[node] for node in path[1:]] + [bonus]
+
+    def _emit(self, state: Running, emitted: list[int]) -> bool:
+        """Append the step's tokens; True when the sequence is done."""
+        result, request = state.result, state.request
+        first = len(result.token_ids)
+        for token in emitted:
+            state.context[state.n] = token
+            state.n += 1
+            result.token_ids.append(token)
+            result.stop_reason = state.stopping.reason(result.token_ids) or ""
+            if result.stop_reason:
+                break
+        max_length = request.max_length or state.prompt_len + request.max_new_tokens
+        if not result.stop_reason and state.n >= max_length:
+            result.stop_reason = "max_length"
+        if request.on_tokens is not None and request.on_tokens(result.token_ids[first:]) is False:
+            result.stop_reason = result.stop_reason or "cancelled"
+        return bool(result.stop_reason)
+
+    def _finish(self, state: Running) -> None:
+        self.running.remove(state)
+        result = state.result
+        observe = getattr(state.request.drafter, "observe", None)
+        if observe is not None and state.states:  # a drafter that learns keeps what was said
+            states = torch.cat(state.states)[: len(result.token_ids)]
+            observe(list(state.request.prompt), result.token_ids, states)
+        result.num_target_forwards = (1 if state.query is not None else 0) + len(result.steps)
+        result.total_seconds = clock(self.device) - state.started
+        state.cache = None

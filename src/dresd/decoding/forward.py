@@ -1,0 +1,298 @@
+"""One target forward over many sequences at once, each on its own preallocated KV cache.
+
+The batched loop (`decoding/batch.py`) hands a forward a list of `Segment`s, one per sequence
+that takes part in this step: a running sequence's draft tree (its root is the last emitted
+token) or a chunk of a new request's prompt. The forward returns, per segment, the logits and
+the last-layer hidden states of its rows.
+
+    rows of every segment, concatenated -> embeddings
+    per layer: norm -> q, k, v for all rows at once (one matmul each)
+               -> each segment's k, v written into its sequence's cache
+               -> attention per segment: its rows see its own cache and, within the segment,
+                  their ancestors (tree) or the rows before them (prompt chunk)
+               -> output projection, norm, MLP for all rows at once
+    final norm -> LM head on the rows whose logits are wanted
+
+Why a forward of our own: transformers' forward takes one rectangular batch, so sequences of
+different lengths need padding, and its `DynamicCache` appends with `torch.cat`, which copies
+the whole cache at every step. Here the rows of every sequence share the matrix multiplies
+(the weights stream once per step however many sequences run) and each sequence's cache is a
+preallocated buffer written in place.
+
+Exactness: every operation computes a row from that row alone: the same modules as
+transformers' Llama (RMSNorm, rotary embedding, the packed linears of `fastpath.py`, whose
+rows are batch-invariant) and, per segment, the same attention function the model is set to
+(on a CPU in bf16 the batch-invariant kernel). So a sequence's logits do not depend on which
+other sequences share the forward, and a batch of one computes what transformers computes.
+
+`HFForward` is the fallback for every other architecture: transformers' own forward, one
+sequence at a time on a `DynamicCache`. Same results, no cross-sequence batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from dresd.decoding.cache import keep_cache_entries
+from dresd.decoding.kv_cache import SequenceKV
+
+
+@dataclass
+class Segment:
+    """A sequence's rows in one forward.
+
+    Row i is token `token_ids[i]` at position `start + depths[i]`; it sees the sequence's
+    cache (`start` entries) and the rows `ancestors[i]` marks (itself included). A prompt
+    chunk is a chain: depths 0, 1, 2, ... and `ancestors` None (causal).
+    """
+
+    sequence: object  # the handle `new_sequence` returned
+    token_ids: list[int]
+    start: int  # cached entries of this sequence before these rows
+    depths: list[int] | None = None  # None: 0, 1, 2, ... (a chain)
+    ancestors: torch.Tensor | None = None  # bool [t, t]; None: causal
+    logits_rows: str = "all"  # "all", "last" (a prompt chunk's last) or "none"
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def positions(self) -> list[int]:
+        if self.depths is None:
+            return list(range(self.start, self.start + len(self.token_ids)))
+        return [self.start + depth for depth in self.depths]
+
+
+@dataclass
+class SegmentOutput:
+    logits: torch.Tensor | None  # [rows asked for, vocab]
+    hidden: torch.Tensor  # [t, d]: last-layer hidden states (after the final norm)
+
+
+def _dtype_and_device(model: PreTrainedModel) -> tuple[torch.dtype, torch.device]:
+    parameter = next(model.parameters())
+    return parameter.dtype, parameter.device
+
+
+class LlamaForward:
+    """Batched forward for Llama-shaped decoders (Llama, Mistral without a sliding window,
+    Qwen2): see the module docstring."""
+
+    ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+    @classmethod
+    def takes(cls, model: PreTrainedModel) -> bool:
+        """Whether `model` has the layout this forward implements, module for module."""
+        config = model.config
+        if config.model_type not in cls.ARCHITECTURES:
+            return False
+        if not type(model).__module__.startswith("transformers.models."):
+            return False  # a subclass may change the forward this one stands in for
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            return False  # scaled or dynamic rotary variants are left to transformers
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
+                                                                 True):
+            return False
+        if getattr(config, "layer_types", None) and any(
+                kind != "full_attention" for kind in config.layer_types):
+            return False
+        decoder = getattr(model, "model", None)
+        return decoder is not None and all(hasattr(decoder, name) for name in
+                                           ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.decoder = model.model
+        config = model.config
+        self.dtype, self.device = _dtype_and_device(model)
+        self.num_layers = config.num_hidden_layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.attention = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        self.mask_value = torch.finfo(self.dtype).min
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
+
+    def keep(self, sequence: SequenceKV, prefix_len: int, kept_rows: list[int]) -> None:
+        """Keep the cache's first `prefix_len` entries plus the rows `kept_rows` after them."""
+        sequence.keep(prefix_len, kept_rows)
+
+    def _mask(self, segment: Segment) -> torch.Tensor | None:
+        """The additive mask [1, 1, t, start + t] of a segment, or None where the attention's
+        own causal rule is the same thing (one row; or a chain on an empty cache, which is
+        how transformers prefills a prompt, so the prompt's first chunk rounds as it does)."""
+        rows = len(segment)
+        if rows == 1 or (segment.ancestors is None and segment.start == 0):
+            return None
+        allowed = torch.ones(rows, segment.start + rows, dtype=torch.bool, device=self.device)
+        if segment.ancestors is None:
+            allowed[:, segment.start:] = torch.ones(rows, rows, dtype=torch.bool,
+                                                    device=self.device).tril()
+        else:
+            allowed[:, segment.start:] = segment.ancestors
+        mask = torch.zeros(rows, segment.start + rows, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, self.mask_value)[None, None]
+
+    @torch.inference_mode()
+    def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
+        token_ids = [token for segment in segments for token in segment.token_ids]
+        positions = [p for segment in segments for p in segment.positions()]
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        hidden = self.decoder.embed_tokens(ids)  # [rows, d]
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # [1, rows, head_dim]
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, head_dim]: broadcast over heads
+        bounds = [0]
+        for segment in segments:
+            bounds.append(bounds[-1] + len(segment))
+            segment.sequence.reserve(segment.start + len(segment))
+        masks = [self._mask(segment) for segment in segments]
+
+        for index, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            query = attn.q_proj(normed).view(-1, self.heads, self.head_dim)
+            key = attn.k_proj(normed).view(-1, self.kv_heads, self.head_dim)
+            value = attn.v_proj(normed).view(-1, self.kv_heads, self.head_dim)
+            # Rotary embedding, the expression transformers evaluates (rotate_half inlined).
+            query = query * cos + _rotate_half(query) * sin
+            key = key * cos + _rotate_half(key) * sin
+            mixed = torch.empty(hidden.shape[0], self.heads, self.head_dim, dtype=self.dtype,
+                                device=self.device)
+            for segment, mask, first, last in zip(segments, masks, bounds[:-1], bounds[1:],
+                                                  strict=True):
+                cache = segment.sequence
+                end = segment.start + len(segment)
+                cache.write(index, segment.start, key[first:last], value[first:last])
+                keys, values = cache.view(index, end)  # [1, kv_heads, end, head_dim]
+                out, _ = self.attention(attn, query[first:last].transpose(0, 1)[None], keys,
+                                        values, mask, dropout=0.0, scaling=attn.scaling)
+                mixed[first:last] = out[0]  # [t, heads, head_dim]
+            hidden = hidden + attn.o_proj(mixed.view(hidden.shape[0], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+        hidden = self.decoder.norm(hidden)
+        for segment in segments:
+            segment.sequence.length = segment.start + len(segment)
+        return _split_outputs(self.model, segments, bounds, hidden)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _split_outputs(model: PreTrainedModel, segments: list[Segment], bounds: list[int],
+                   hidden: torch.Tensor) -> list[SegmentOutput]:
+    """Per segment: its hidden rows, and the LM head on the rows whose logits it wants, all
+    segments' rows in one matmul."""
+    wanted = []
+    for segment, first, last in zip(segments, bounds[:-1], bounds[1:], strict=True):
+        if segment.logits_rows == "all":
+            wanted.extend(range(first, last))
+        elif segment.logits_rows == "last":
+            wanted.append(last - 1)
+    logits = model.lm_head(hidden[wanted]) if wanted else None
+    outputs, taken = [], 0
+    for segment, first, last in zip(segments, bounds[:-1], bounds[1:], strict=True):
+        count = {"all": last - first, "last": 1}.get(segment.logits_rows, 0)
+        rows = logits[taken:taken + count] if count else None
+        taken += count
+        outputs.append(SegmentOutput(logits=rows, hidden=hidden[first:last]))
+    return outputs
+
+
+class HFSequence:
+    """A sequence's `DynamicCache` for `HFForward`."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+
+
+class HFForward:
+    """transformers' own forward, one sequence at a time: any causal LM that takes a 4D mask
+    and position ids (`supports_tree_attention` checks it; otherwise drafts are linear)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.dtype, self.device = _dtype_and_device(model)
+
+    def new_sequence(self) -> HFSequence:
+        return HFSequence(self.model)
+
+    def keep(self, sequence: HFSequence, prefix_len: int, kept_rows: list[int]) -> None:
+        keep_cache_entries(sequence.cache, prefix_len, kept_rows)
+        sequence.length = prefix_len + len(kept_rows)
+
+    @torch.inference_mode()
+    def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
+        outputs = []
+        for segment in segments:
+            rows = len(segment)
+            mask = None
+            if segment.ancestors is not None:  # a tree; a chain keeps transformers' mask
+                allowed = torch.ones(rows, segment.start + rows, dtype=torch.bool,
+                                     device=self.device)
+                allowed[:, segment.start:] = segment.ancestors
+                mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+                mask = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+            keep = {"all": 0, "last": 1, "none": 1}[segment.logits_rows]
+            out = self.model(
+                input_ids=torch.tensor([segment.token_ids], device=self.device),
+                position_ids=torch.tensor([segment.positions()], device=self.device),
+                attention_mask=mask,
+                cache=segment.sequence.cache,
+                use_cache=True,
+                output_hidden_states=True,
+                logits_to_keep=keep,
+            )
+            segment.sequence.length = segment.start + rows
+            logits = None if segment.logits_rows == "none" else out.logits[0]
+            outputs.append(SegmentOutput(logits=logits, hidden=out.hidden_states[-1][0]))
+        return outputs
+
+
+@torch.inference_mode()
+def supports_tree_attention(model: PreTrainedModel) -> bool:
+    """Whether the model honours a custom 4D attention mask with custom position ids.
+
+    The batched Llama forward always does (it builds each segment's mask itself). For any other
+    model it is checked, not guessed: token c at position 1 masked off from token b (also at
+    position 1) must give the same logits as the plain sequence [a, c]. A model that ignores or
+    rejects the mask fails the check and is verified with linear drafts only.
+    """
+    if LlamaForward.takes(model):
+        return True
+    cached = getattr(model, "_dresd_tree_attention", None)
+    if cached is not None:
+        return cached
+    vocab = model.config.vocab_size
+    a, b, c = 1 % vocab, 2 % vocab, 3 % vocab
+    forward = HFForward(model)
+    try:
+        tree_rows = torch.tensor([[True, False, False], [True, True, False],
+                                  [True, False, True]], device=forward.device)
+        tree = forward([Segment(forward.new_sequence(), [a, b, c], 0, depths=[0, 1, 1],
+                                ancestors=tree_rows)])[0]
+        plain = forward([Segment(forward.new_sequence(), [a, c], 0)])[0]
+        scale = plain.logits[1].abs().max().clamp_min(1e-6)
+        # A mask that is ignored changes logits by O(1); reduced precision moves them by a
+        # few ulps (bf16: eps = 2^-7), which must not read as "ignored".
+        tolerance = max(1e-3, 8 * torch.finfo(forward.dtype).eps)
+        ok = bool(((tree.logits[2] - plain.logits[1]).abs().max() / scale) < tolerance)
+    except Exception:  # noqa: BLE001 - any failure means "cannot take a tree mask"
+        ok = False
+    model._dresd_tree_attention = ok
+    return ok
+
+
+def make_forward(model: PreTrainedModel) -> LlamaForward | HFForward:
+    """The batched Llama forward where the model is Llama-shaped, else transformers' own."""
+    return LlamaForward(model) if LlamaForward.takes(model) else HFForward(model)

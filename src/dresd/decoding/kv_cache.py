@@ -1,0 +1,71 @@
+"""A sequence's KV cache as preallocated buffers, written in place.
+
+One buffer per layer for keys and one for values, each [kv_heads, capacity, head_dim]: a
+head's cached rows are contiguous, the layout the attention kernels read without a copy. A
+step writes its rows at [start, start + t) and the capacity grows by doubling when a step
+needs more, so appending is amortised O(rows written) instead of transformers'
+`DynamicCache`, whose `torch.cat` copies the whole cache at every step.
+
+After a verify step only the accepted path stays: its rows move to the front of the step's
+slot (`keep`); the rejected rows are simply left beyond `length`, to be overwritten.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INITIAL_CAPACITY = 256  # rows; doubled as needed
+
+
+class SequenceKV:
+    """Keys and values of one sequence for every layer; `length` rows are valid."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.shape = (kv_heads, 0, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = [self._empty(0) for _ in range(num_layers)]
+        self.values: list[torch.Tensor] = [self._empty(0) for _ in range(num_layers)]
+        self.length = 0
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        kv_heads, _, head_dim = self.shape
+        return torch.empty(kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` rows in all, keeping the first `length`."""
+        if rows <= self.capacity:
+            return
+        capacity = max(INITIAL_CAPACITY, self.capacity)
+        while capacity < rows:
+            capacity *= 2
+        for buffers in (self.keys, self.values):
+            for layer, old in enumerate(buffers):
+                grown = self._empty(capacity)
+                grown[:, : self.length] = old[:, : self.length]
+                buffers[layer] = grown
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store rows [start, start + t) of one layer: keys, values [t, kv_heads, head_dim]."""
+        end = start + keys.shape[0]
+        self.keys[layer][:, start:end] = keys.transpose(0, 1)
+        self.values[layer][:, start:end] = values.transpose(0, 1)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `end` rows of one layer as [1, kv_heads, end, head_dim] (no copy)."""
+        return self.keys[layer][None, :, :end], self.values[layer][None, :, :end]
+
+    def keep(self, prefix_len: int, kept_rows: list[int]) -> None:
+        """Keep rows [0, prefix_len) and, after them in this order, rows prefix_len + r for r
+        in `kept_rows` (a verified tree's accepted path, root first)."""
+        if kept_rows != list(range(len(kept_rows))):  # else: already in place, nothing moves
+            source = torch.tensor([prefix_len + row for row in kept_rows], device=self.device)
+            target = slice(prefix_len, prefix_len + len(kept_rows))
+            for buffers in (self.keys, self.values):
+                for buffer in buffers:
+                    buffer[:, target] = buffer[:, source]
+        self.length = prefix_len + len(kept_rows)
