@@ -49,7 +49,7 @@ for store in gsm8k-id-all gsm8k-ood stdlib-1m stdlib-all; do $DRESD inspect "$ST
 
 # 3. The study (AR outputs are cached in results/retrieval/ar-<dataset>-<limit>.json; a study
 #    whose results/retrieval/NAME.json exists is skipped: delete it to rerun).
-STUDY=(.venv/bin/python benchmarks/retrieval_study.py --limit 100 --max-new-tokens 128)
+STUDY=(.venv/bin/python benchmarks/studies/retrieval_study.py --limit 100 --max-new-tokens 128)
 study() {  # study NAME STORE DATASET [OPTIONS...]
     local name=$1 store=$2 dataset=$3
     shift 3
@@ -67,4 +67,4 @@ grep -q '"IVF at recall 0.9"' benchmarks/results/retrieval/humaneval-stdlib-all.
         --variants "IVF at recall 0.9"
 
 # 4. Tables and the plot.
-.venv/bin/python benchmarks/retrieval_summary.py
+.venv/bin/python benchmarks/studies/retrieval_summary.py

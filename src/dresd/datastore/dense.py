@@ -15,7 +15,7 @@ Files in a dense datastore folder:
     sparse/           with `--kind dense,sparse` only: REST's suffix array (sparse_store.py)
     states.npy        with `--keep-states` only: fp16 [N, hidden] raw hidden states, row e the
                       state behind key e; a study can refit the transform or choose other key
-                      positions without new forwards (benchmarks/retrieval_study.py)
+                      positions without new forwards (benchmarks/studies/retrieval_study.py)
 
 Build (`build_dense`), as the authors do it but resumable and in one forward per document:
   1. tokenize the corpus (corpus.py); plan chunks of length-sorted documents;

@@ -96,7 +96,7 @@ class AcceptanceTable:
     """p(node accepted | parent accepted) per feature cell, a Beta posterior (see module doc).
 
     The prior mean of a cell is `fitted`'s rate where a fitted prior has one (`save`d from the
-    table of a replay over recorded runs: `benchmarks/fit_hybrid_prior.py`), else
+    table of a replay over recorded runs: `benchmarks/studies/fit_hybrid_prior.py`), else
     `prior_mean`'s guess.
     """
 

@@ -12,7 +12,8 @@ transform, search (k = 50), first-token filter, draft slicing.
 
 Goal (issue 3): p50 <= 1 ms on one thread at 1M entries, and <= 5% of a one-token decode step.
 
-    PYTHONPATH=src python benchmarks/propose_latency.py [--sizes 100000 1000000] [--queries 2000]
+    PYTHONPATH=src python benchmarks/micro/propose_latency.py [--sizes 100000 1000000] \\
+        [--queries 2000]
 """
 
 from __future__ import annotations

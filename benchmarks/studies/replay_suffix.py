@@ -1,6 +1,6 @@
 """SuffixDecoding settings on the GSM8K repeated workload, replayed from a recorded run.
 
-    python benchmarks/replay_suffix.py --outputs RUN/outputs.jsonl [--dtype bfloat16]
+    python benchmarks/studies/replay_suffix.py --outputs RUN/outputs.jsonl [--dtype bfloat16]
 
 Greedy output is AR's whatever drafts, so a drafter's steps on a request can be replayed from
 AR's recorded tokens without the model (`draft_shapes.replay`), in the run's request order so

@@ -15,7 +15,7 @@
 
 Results go to benchmarks/results/engine.{json,md}.
 
-    .venv/bin/python benchmarks/engine.py [--prompts 12] [--threads 1]
+    .venv/bin/python benchmarks/micro/forward_step.py [--prompts 12] [--threads 1]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
 TREE_SIZES = [1, 2, 4, 8, 16, 32, 64]
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 
 ENGINES = {  # name -> (dtype, prepacked, attention); the last is what dresd runs by default
@@ -191,7 +191,7 @@ def main() -> None:
 
 def markdown(report: dict) -> str:
     lines = [
-        "# Engine benchmark (recorded by benchmarks/engine.py)",
+        "# Engine benchmark (recorded by benchmarks/micro/forward_step.py)",
         "",
         f"Model {report['model']}, torch {report['torch']}, transformers "
         f"{report['transformers']}, CPU {report['cpu']} (native bf16: "

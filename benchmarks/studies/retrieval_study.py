@@ -1,7 +1,7 @@
 """How strong DReSD's retrieval is, and what makes it so: store size, key positions, PCA, k,
 neighbour ranking, value length and index, each against REST on the same store and prompts.
 
-    python benchmarks/retrieval_study.py --store STORE --dataset gsm8k --limit 100 \
+    python benchmarks/studies/retrieval_study.py --store STORE --dataset gsm8k --limit 100 \
         --name gsm8k-id [--ablations] [--sizes 10000,30000,...]
         [--variants 'IVF-PQ at recall 0.9']   (add variants to a finished study)
 
@@ -56,7 +56,7 @@ from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.models import Target, load_target
 from dresd.prompts import encode_prompt
 
-RESULTS = Path(__file__).parent / "results" / "retrieval"
+RESULTS = Path(__file__).parents[1] / "results" / "retrieval"
 MAX_K = 200  # neighbours searched once per query; smaller k are its prefixes
 FIT_SAMPLE = 200_000  # entries the transform of a variant is fitted on (random, seeded)
 

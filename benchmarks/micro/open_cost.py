@@ -8,7 +8,7 @@ than the budget gets: sizes and headers only); the full check (`dresd inspect --
 opening the dense part (`DenseDatastore`) with and without the check. The files are in the page
 cache (the first, untimed, pass puts them there): the figures are the CPU cost of the check.
 
-    python benchmarks/open_cost.py [--store DIR]
+    python benchmarks/micro/open_cost.py [--store DIR]
 """
 
 from __future__ import annotations

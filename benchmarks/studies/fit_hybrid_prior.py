@@ -1,6 +1,6 @@
 """Fit `hybrid`'s acceptance prior offline, from recorded bench runs.
 
-    python benchmarks/fit_hybrid_prior.py --runs RUN [RUN ...] --out prior.json
+    python benchmarks/studies/fit_hybrid_prior.py --runs RUN [RUN ...] --out prior.json
 
 Each run's AR outputs are replayed (`dresd.bench.replay`) with a `hybrid` drafter on that run's
 datastore and verify-cost curve; every candidate of every step is an observation of its cell

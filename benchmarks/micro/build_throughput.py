@@ -15,7 +15,7 @@ the build also reports the time it spent outside its own forwards (`non_forward_
 measured inside the build) and `non_forward_share` = that / decoder_forward: the same overhead,
 free of the forward's noise.
 
-    PYTHONPATH=src python benchmarks/build_throughput.py [--docs 60] [--threads 1]
+    PYTHONPATH=src python benchmarks/micro/build_throughput.py [--docs 60] [--threads 1]
 """
 
 from __future__ import annotations

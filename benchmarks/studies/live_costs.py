@@ -1,6 +1,6 @@
 """What a verify step costs as the live loop pays it, by tree size, against the calibrated curve.
 
-    .venv/bin/python benchmarks/live_costs.py --dataset mt_bench --limit 24 \
+    .venv/bin/python benchmarks/studies/live_costs.py --dataset mt_bench --limit 24 \
         --datastore ~/.cache/dresd/datastores/all --name mt-bench
 
 `dresd calibrate` times bare forwards over random trees on a 256-token random context. In a
@@ -35,7 +35,7 @@ from dresd.models import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 
-RESULTS = Path(__file__).parent / "results" / "live_costs"
+RESULTS = Path(__file__).parents[1] / "results" / "live_costs"
 MIN_STEPS = 15  # steps of one (method, size, shape) before its median is printed
 
 

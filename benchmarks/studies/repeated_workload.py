@@ -12,7 +12,7 @@ so that a learning method sees the earlier requests' outputs, as a server would)
 Before the run every method generates once for "Hi!" (untimed warm-up; a learning method keeps
 that output too). Categories in the report: "turn 1" / "turn 2", "original" / "variant".
 
-    .venv/bin/python benchmarks/repeated_workload.py --set mt_bench2 --limit 5 \\
+    .venv/bin/python benchmarks/studies/repeated_workload.py --set mt_bench2 --limit 5 \\
         --datastore runs/gsm8k-200 --out benchmarks/results/repeated_workload/mt_bench2
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from dresd.bench.methods import parse_methods
 from dresd.bench.report import build_report, markdown_table, write_report
 from dresd.bench.runner import BenchRecord
-from dresd.cli import parse_methods
 from dresd.datasets import EvalPrompt, data_dir, read_jsonl, round_robin
 from dresd.fastpath import dtype_name
 from dresd.models import load_target

@@ -1,6 +1,6 @@
 """Where hybrid's accepted tokens sit among its candidates, ranked by its own estimates.
 
-    python benchmarks/headroom.py --run benchmarks/results/hybrid/gsm8k-id --limit 20 \
+    python benchmarks/studies/headroom.py --run benchmarks/results/hybrid/gsm8k-id --limit 20 \
         --name gsm8k-id
 
 Replays hybrid (every source at every step) on a recorded bench run's AR outputs and keeps,
@@ -34,7 +34,7 @@ from dresd.bench.replay import drafter_proposer, replay
 from dresd.calibrate import cost_at
 from dresd.drafters import make_drafter
 
-RESULTS = Path(__file__).parent / "results" / "headroom"
+RESULTS = Path(__file__).parents[1] / "results" / "headroom"
 TOP_K = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 

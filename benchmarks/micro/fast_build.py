@@ -8,7 +8,7 @@
    tokens/s = response tokens (re-tokenized, so the same count for both) / wall seconds.
    Goal: batched at least 8x single-stream.
 
-    .venv/bin/python benchmarks/fast_build.py [--docs 120] [--prompts 32] [--threads 1]
+    .venv/bin/python benchmarks/micro/fast_build.py [--docs 120] [--prompts 32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dresd.host import native_bf16_flags
 from dresd.models import load_target
 from dresd.regenerate import RegenerateConfig, regenerate
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 
 def build_seconds(target, docs: int, workdir: Path) -> tuple[float, int]:

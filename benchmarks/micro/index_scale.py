@@ -19,10 +19,10 @@ states) are clustered: `--from-store DIR` takes the keys of an existing `ivf` st
 (read from its index, whose fp16 codes are the keys; the store is only read), the queries
 then being QUERIES of its own keys, each one's own entry left out of its neighbours.
 
-    python benchmarks/index_scale.py --entries 100000 --entries 1000000
-    python benchmarks/index_scale.py --entries 1000000 \\
+    python benchmarks/micro/index_scale.py --entries 100000 --entries 1000000
+    python benchmarks/micro/index_scale.py --entries 1000000 \\
         --from-store ~/.cache/dresd/datastores/stdlib-1m
-    python benchmarks/index_scale.py --entries 10000000 \\
+    python benchmarks/micro/index_scale.py --entries 10000000 \\
         --resampled-from ~/.cache/dresd/datastores/stdlib-1m --out results/index_scale_10m
 
 Past a real store's size, `--resampled-from` makes keys with its cluster structure

@@ -1,7 +1,8 @@
 """Which draft shape pays on this CPU: accepted lengths replayed from a recorded bench run,
 priced with the measured verify-cost curve.
 
-    python benchmarks/draft_shapes.py --outputs RUN/outputs.jsonl --datastore STORE [--limit N]
+    python benchmarks/studies/draft_shapes.py --outputs RUN/outputs.jsonl --datastore STORE \\
+        [--limit N]
 
 The loop is replayed on AR's own tokens (`dresd.bench.replay`; a bench run's outputs.jsonl
 holds them). Each step is priced at cost(1 + tree nodes) one-token decode steps, from
@@ -30,7 +31,7 @@ from dresd.drafters import make_drafter
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 # (label, method, options): the defaults, then node budgets that the verify-cost curve favours.
 SHAPES = [

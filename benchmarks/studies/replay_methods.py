@@ -1,6 +1,6 @@
 """Any methods replayed on a recorded bench run's AR outputs: a quick, load-proof estimate.
 
-    python benchmarks/replay_methods.py --run benchmarks/results/hybrid/humaneval-stdlib \
+    python benchmarks/studies/replay_methods.py --run benchmarks/results/hybrid/humaneval-stdlib \
         --methods 'suffix,hybrid,hybrid[draft_len=16]' [--limit N] [--name NAME]
 
 The run's report gives the prompts, the datastore, the dtype, the verify-cost curve and AR's
@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from draft_shapes import print_table, recorded_run
 
+from dresd.bench.methods import parse_methods
 from dresd.bench.replay import drafter_proposer, replay, summarise
-from dresd.cli import parse_methods
 from dresd.drafters import make_drafter
 
-RESULTS = Path(__file__).parent / "results" / "replay"
+RESULTS = Path(__file__).parents[1] / "results" / "replay"
 COMBINED = ("hybrid",)  # methods that combine the others: not "single methods"
 
 

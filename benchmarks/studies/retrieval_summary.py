@@ -9,7 +9,7 @@ read both ways (same store, prompts and steps):
     drafted DReSD / REST = (DReSD's mean accepted length - 1) / (REST's - 1)
                            (accepted draft tokens per verify, bonus out)
 
-    .venv/bin/python benchmarks/retrieval_summary.py
+    .venv/bin/python benchmarks/studies/retrieval_summary.py
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "retrieval"
+RESULTS = Path(__file__).parents[1] / "results" / "retrieval"
 DRESD_DEFAULT = "dresd (distance, 10 drafts, k=50, len=10)"
 REST_DEFAULT = "rest (64 nodes)"
 PAIRS = [("defaults (DReSD 10x10, REST 64 nodes)", DRESD_DEFAULT, REST_DEFAULT),
@@ -139,7 +139,8 @@ def plot(results: dict[str, dict], path: Path) -> None:
 def main() -> None:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))
                if not p.name.startswith("ar-")}
-    lines = ["# DReSD's retrieval: store size and ablations (benchmarks/retrieval_study.py)", "",
+    lines = ["# DReSD's retrieval: store size and ablations "
+             "(benchmarks/studies/retrieval_study.py)", "",
              "Replayed on AR's own outputs (greedy), bf16, 1 thread; see the study's docstring. "
              "Regenerate with `benchmarks/retrieval.sh`.", "", "![scaling](scaling.png)", ""]
     for name, result in results.items():

@@ -12,7 +12,8 @@ than one built from a corpus's reference responses (OOD). Here, at a small CPU s
   store, also with 3 drafts of 6 (`dresd-id-3x6`): on a CPU, verifying a tree costs about as
   much as its token count, unlike on a GPU.
 
-    PYTHONPATH=src python benchmarks/dresd_id_vs_ood.py [--train 96] [--eval 8] [--threads 1]
+    PYTHONPATH=src python benchmarks/studies/dresd_id_vs_ood.py [--train 96] [--eval 8] \\
+        [--threads 1]
 """
 
 from __future__ import annotations

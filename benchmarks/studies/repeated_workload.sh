@@ -7,7 +7,7 @@ set -euo pipefail
 STORE=${STORE:-runs/gsm8k-200}
 OUT=benchmarks/results/repeated_workload
 for SET in gsm8k_variants mt_bench2; do
-    .venv/bin/python benchmarks/repeated_workload.py --set "$SET" --limit "${LIMIT:-5}" \
+    .venv/bin/python benchmarks/studies/repeated_workload.py --set "$SET" --limit "${LIMIT:-5}" \
         --datastore "$STORE" --threads 1 --out "$OUT/$SET" 2>&1 | grep --line-buffered -v "Loading weights" \
         | tee "$OUT/$SET.log"
 done

@@ -1,6 +1,7 @@
 """REST's sparse datastore: build time, bytes per corpus token, and `propose` latency.
 
-    PYTHONPATH=src python benchmarks/rest_latency.py [--sizes 1000000 10000000] [--queries 1000]
+    PYTHONPATH=src python benchmarks/micro/rest_latency.py [--sizes 1000000 10000000] \\
+        [--queries 1000]
 
 Corpora (real tokens): Python source files (the interpreter's standard library, then the
 installed packages'), sorted by path, one document per file, tokenised with the default model's
@@ -41,7 +42,7 @@ import torch  # noqa: E402
 from dresd.datastore.sparse import build_sparse  # noqa: E402
 from dresd.drafters import DraftContext, RestDrafter  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 HELD_OUT_EVERY = 20  # every 20th source file is a query file, never in the corpus
 
 
@@ -189,7 +190,7 @@ def markdown(setup: dict, rows: list[dict]) -> str:
                "bytes_per_token", "p50_ms", "p99_ms", "mean_ms", "lookup_p50_us",
                "queries_with_drafts", "mean_tree_nodes"]
     lines = ["# REST sparse datastore: build and `propose` latency", "",
-             "Command: `PYTHONPATH=src python benchmarks/rest_latency.py` "
+             "Command: `PYTHONPATH=src python benchmarks/micro/rest_latency.py` "
              "(see the script's docstring for the corpora and queries).", "",
              "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()), "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -5,7 +5,7 @@ Stores the first N GSM8K training answers (default-model tokenizer) in one suffi
 then times `SuffixDrafter.propose` on contexts taken from GSM8K test answers (the per-request
 trie extended by one token per call, as in generation). Writes results/suffix_memory.json.
 
-    .venv/bin/python benchmarks/suffix_memory.py [--answers 1000]
+    .venv/bin/python benchmarks/micro/suffix_memory.py [--answers 1000]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dresd.decoding.drafter import DraftContext
 from dresd.drafters.suffix import SuffixDrafter, SuffixTrie
 from dresd.models import default_model_dir
 
-OUT = Path(__file__).parent / "results" / "suffix_memory.json"
+OUT = Path(__file__).parents[1] / "results" / "suffix_memory.json"
 
 
 def main() -> None:
