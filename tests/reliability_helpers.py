@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import dresd
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.models import ensure_default_model
 
 TINY_CONTEXT = 256  # the tiny model's context: prompts reach it cheaply

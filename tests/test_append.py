@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.corpus import CorpusError, CorpusSpec, output_row, tokenize_corpus
 from dresd.datastore import append, dense
 from dresd.datastore.append import append_to_datastore, staging_dir

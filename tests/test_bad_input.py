@@ -67,7 +67,8 @@ def no_model_load(*args, **kwargs):
 def test_bad_jsonl_files(tiny, tmp_path, case, capsys, monkeypatch):
     path = tmp_path / "input.jsonl"
     path.write_bytes(BAD_FILES[case])
-    monkeypatch.setattr("dresd.cli.load_target", no_model_load)  # every input check comes first
+    # every input check comes first: each command loads its model through cli/options.py
+    monkeypatch.setattr("dresd.cli.options.load_target", no_model_load)
     for argv in commands_reading(path, tiny, tmp_path).values():
         code, err = run_main(capsys, *argv)
         assert_one_line_error(code, err, "input.jsonl")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.runner import MethodRunner
 
 METHODS = ["ar", "none", "pld"]

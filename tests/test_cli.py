@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dresd.cli import main
+from dresd.cli.main import main
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

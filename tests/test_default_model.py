@@ -74,7 +74,7 @@ def test_stop_strings_end_where_generate_ends(default_target, encoded):
 
 
 def test_cli_generate_json(default_target, capsys):
-    from dresd.cli import main
+    from dresd.cli.main import main
 
     code = main(["generate", "--method", "pld", "--prompt", "Say hello.", "--max-new-tokens",
                  "8", "--json", "--threads", "1"])

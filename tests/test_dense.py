@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.corpus import CorpusError, CorpusSpec, encode_prompt
 from dresd.datastore import dense
 from dresd.datastore.format import AtomicBuild, DatastoreError, partial_dir, read_manifest

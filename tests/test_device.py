@@ -130,7 +130,7 @@ def test_resolve_device():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cuda_without_cuda_is_one_clear_error(capsys):
-    from dresd.cli import main
+    from dresd.cli.main import main
 
     code = main(["generate", "--device", "cuda", "--method", "none", "--prompt", "hi",
                  "--max-new-tokens", "1"])

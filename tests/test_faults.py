@@ -38,7 +38,7 @@ from reliability_helpers import (
     write_corpus,
 )
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.datastore import format as store_format
 from dresd.datastore.format import DatastoreError, partial_dir, read_manifest
 from dresd.regenerate import partial_path

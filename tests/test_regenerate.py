@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.corpus import CorpusError
 from dresd.regenerate import RegenerateConfig, count_done, read_prompt_rows
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from dresd.cli import main
+from dresd.cli.main import main
 from dresd.corpus import CorpusSpec, tokenize_corpus
 from dresd.datastore import sparse_store
 from dresd.datastore.dense import DenseBuildConfig, DenseDatastore, build_dense

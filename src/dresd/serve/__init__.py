@@ -1,10 +1,11 @@
 """`dresd serve`: an OpenAI-compatible HTTP server, a thin layer over the speculative loop.
 
-    cli.py       the `serve` subcommand: options, loading, then uvicorn
     engine.py    the model, its drafters, the request queue and the one worker thread
     protocol.py  OpenAI's request and response formats; streamed text, stop strings
     app.py       the FastAPI routes, errors, server-sent events, one log line per request
     metrics.py   GET /metrics in Prometheus' text format, named as vLLM names its figures
+
+The `serve` subcommand (options, loading, then uvicorn) is `dresd/cli/serve.py`.
 
 Nothing here imports FastAPI at `dresd` start-up: the server's packages are an extra
 (`pip install 'dresd[serve]'`).

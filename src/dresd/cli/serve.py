@@ -12,17 +12,27 @@ import argparse
 import logging
 from pathlib import Path
 
+from dresd.bench.methods import METHODS
+from dresd.cli.options import (
+    add_model_options,
+    add_save_outputs_option,
+    drafter_options,
+    load_target_from_args,
+    output_origin,
+    settings_from_args,
+)
+from dresd.corpus import output_row, save_output
+from dresd.errors import UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
 
 
-def add_serve_command(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     """The `serve` subcommand, added to the `dresd` command's parser."""
-    from dresd.cli import METHODS, _add_model_options, add_save_outputs_option
-
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs pip install 'dresd[serve]')",
         conflict_handler="resolve")  # --datastore below replaces the shared single one
-    _add_model_options(serve)
+    add_model_options(serve)
     serve.add_argument("--datastore", type=Path, action="append", default=[],
                        help="a datastore folder (repeatable); a request names one by its folder "
                             "name in the `datastore` field, the first is the default")
@@ -38,12 +48,12 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
                             f"{DEFAULT_MODEL_NAME} for the default model)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_save_outputs_option(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=run)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from dresd.cli import UserError, drafter_options, load_target_from_args, settings_from_args
-
+def run(args: argparse.Namespace) -> int:
+    # The server's packages are an extra: imported here, so that every other command runs
+    # without them.
     try:
         import uvicorn
 
@@ -51,8 +61,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ImportError(f"dresd serve needs fastapi and uvicorn ({err}); "
                           "install them with pip install 'dresd[serve]'") from None
-    from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
-
     if args.no_chat_template:
         raise UserError("serve: /v1/chat/completions uses the chat template and /v1/completions "
                         "the raw text; --no-chat-template does not apply")
@@ -94,9 +102,6 @@ def output_saver(target, path: Path | None):
     and output as a corpus row (`dresd build --append` adds them to a datastore)."""
     if path is None:
         return None
-    from dresd.cli import output_origin
-    from dresd.corpus import output_row, save_output
-
     made_by = output_origin(target)
 
     def save(prompt_ids: list[int], result) -> None:

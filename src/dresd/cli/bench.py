@@ -1,0 +1,85 @@
+"""`dresd bench`: every method side by side on the same prompts; report.json/.md and plots."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from dresd.bench.meta import bench_metadata
+from dresd.bench.methods import METHODS, parse_methods
+from dresd.bench.report import build_report, markdown_table, write_report
+from dresd.bench.runner import run_bench
+from dresd.cli.options import (
+    add_model_options,
+    add_save_outputs_option,
+    check_datastore_arg,
+    check_limit,
+    drafter_options,
+    load_target_from_args,
+    output_origin,
+    settings_from_args,
+)
+from dresd.corpus import output_row, save_output
+from dresd.datasets import load_prompts
+from dresd.prompts import encode_prompt
+from dresd.runner import AR, MethodRunner
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="every method side by side on real prompts")
+    add_model_options(bench)
+    bench.add_argument("--methods", default="ar,pld",
+                       help=f"comma-separated, from {', '.join(METHODS)} (ar is always run: "
+                            "it is the reference); a method may carry its own drafter options, "
+                            "'dresd[max_tree_nodes=2]', to compare shapes in one run")
+    bench.add_argument("--dataset", action="append", required=True,
+                       help="humaneval, humaneval-typehints, gsm8k, mt_bench or a .jsonl file "
+                            "(repeatable)")
+    bench.add_argument("--prompt-field", default="prompt", help="field of a .jsonl dataset")
+    bench.add_argument("--category-field", default="category",
+                       help="optional category field of a .jsonl dataset")
+    bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
+    add_save_outputs_option(bench)  # AR's output per prompt: every method's, when greedy
+    bench.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    specs = parse_methods(args.methods)
+    specs = [(AR, AR, {})] + [spec for spec in specs if spec[0] != AR]
+    methods = [label for label, _, _ in specs]
+    check_limit(args)
+    prompts = [p for name in args.dataset
+               for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
+    check_datastore_arg(args)
+    target = load_target_from_args(args)
+    options = drafter_options(args, target, [method for _, method, _ in specs])
+    runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
+               for label, method, overrides in specs]
+    prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
+                  for p in prompts]
+    meta = bench_metadata(target, runners, settings, args.dataset, len(prompts), args.datastore)
+    # Ctrl-C or `kill -INT` ends the run with a partial report, also where the shell that
+    # started us in the background made it ignore SIGINT (Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    records, interrupted = run_bench(runners, prompts, prompt_ids)
+    if args.save_outputs is not None:
+        made_by = output_origin(target)
+        for record in records:
+            if record.method == AR:
+                save_output(args.save_outputs, output_row(
+                    record.prompt.text,
+                    target.tokenizer.decode(record.result.token_ids, skip_special_tokens=True),
+                    prompt_ids[record.prompt_index], record.result.token_ids, made_by))
+    meta["interrupted"] = interrupted
+    report = build_report(records, methods, meta)
+    write_report(report, records, args.out)
+    print("\n".join(markdown_table(report["methods"])))
+    print(f"\nreport: {args.out / 'report.md'}")
+    if interrupted:
+        print("dresd: interrupted; the report covers the prompts that finished", file=sys.stderr)
+        return 130
+    return 0
