@@ -62,6 +62,18 @@ def recorded_references(target, ar_rows: list[dict]) -> list[Reference]:
     return refs
 
 
+def recorded_outputs(path: Path) -> list[dict]:
+    """The rows of a bench run's outputs.jsonl (one per method and prompt). The runs under
+    benchmarks/results keep their reports but not these: a run writes them, they are not
+    committed. Missing, say where they come from rather than fail on a bare path."""
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: a bench run's per-prompt outputs are written when "
+                         "it runs and are not committed. Run the script that makes that folder "
+                         "(benchmarks/README.md names it, e.g. benchmarks/hybrid.sh for "
+                         "results/hybrid/) or pass your own `dresd bench --out` folder's.")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def recorded_run(run: Path, limit: int | None = None
                  ) -> tuple[dict, dict[int, float], list[dict], list[Reference]]:
     """A bench --out folder: its report, its verify-cost curve, its first `limit` AR rows and
@@ -69,8 +81,7 @@ def recorded_run(run: Path, limit: int | None = None
     report = json.loads((run / "report.json").read_text())
     meta = report["meta"]
     curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
-    rows = [json.loads(line) for line in (run / "outputs.jsonl").read_text().splitlines()]
-    ar_rows = [r for r in rows if r["method"] == "ar"][:limit]
+    ar_rows = [r for r in recorded_outputs(run / "outputs.jsonl") if r["method"] == "ar"][:limit]
     target = load_target(meta["model"], dtype=meta["dtype"])
     return report, curve, ar_rows, recorded_references(target, ar_rows)
 
@@ -96,8 +107,7 @@ def main() -> None:
 
     curve = {int(n): c for n, c in json.loads((RESULTS / "engine.json").read_text())[
         "by_threads"][str(args.threads)]["verify_cost"].items()}
-    rows = [json.loads(line) for line in args.outputs.read_text().splitlines()]
-    ar_rows = [r for r in rows if r["method"] == "ar"][: args.limit]
+    ar_rows = [r for r in recorded_outputs(args.outputs) if r["method"] == "ar"][: args.limit]
     target = load_target("default")
     drafters = {label: make_drafter(method, datastore=args.datastore, **options)
                 for label, method, options in SHAPES}

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch
-from draft_shapes import recorded_references
+from draft_shapes import recorded_outputs, recorded_references
 
 from dresd.bench.replay import drafter_proposer, replay
 from dresd.drafters.hybrid import AcceptanceTable, HybridDrafter
@@ -37,7 +37,7 @@ def main() -> None:
         meta = json.loads((run / "report.json").read_text())["meta"]
         if target is None:
             target = load_target(meta["model"], dtype=meta["dtype"])
-        rows = [json.loads(line) for line in (run / "outputs.jsonl").read_text().splitlines()]
+        rows = recorded_outputs(run / "outputs.jsonl")
         refs = recorded_references(target, [r for r in rows if r["method"] == "ar"])
         curve = {int(n): c for n, c in meta["verify_cost_curve"].items()}
         drafter = HybridDrafter(datastore=meta.get("datastore"), cost=curve)

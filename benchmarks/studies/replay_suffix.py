@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from draft_shapes import replay
+from draft_shapes import recorded_outputs, replay
 from repeated_workload import bump_first_number
 from transformers import AutoTokenizer
 
@@ -47,8 +47,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="whose cached verify-cost curve")
     args = parser.parse_args()
 
-    rows = [json.loads(line) for line in args.outputs.read_text().splitlines()]
-    outputs = [row["token_ids"] for row in rows if row["method"] == "ar"]
+    outputs = [row["token_ids"] for row in recorded_outputs(args.outputs) if row["method"] == "ar"]
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     requests = [(category, encode_prompt(tokenizer, text))
                 for row in read_jsonl(data_dir() / "gsm8k" / "test.jsonl")[: len(outputs) // 2]
