@@ -137,6 +137,7 @@ class BatchEngine:
         while self.busy():
             self.step()
 
+    @torch.inference_mode()
     def step(self) -> list[Running]:
         """One forward for every running sequence; returns the sequences that finished."""
         while self.waiting and len(self.running) < self.max_batch_size:
