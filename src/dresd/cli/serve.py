@@ -3,13 +3,19 @@
 The options are `dresd generate`'s (model, sampling defaults, drafter options), with these
 changes: `--datastore` may be given several times (a request picks one by its folder name),
 `--method` is the default method of requests that name none, and the server's own options
-(`--host`, `--port`, `--max-queue`, `--served-model-name`).
+(`--host`, `--port`, `--max-queue`, `--served-model-name`, `--api-key`, `--metrics-open`, and
+`--ray [ADDRESS] --replicas N` for replicas on Ray Serve, serve/ray_serve.py).
+
+`build_app` is what one server process loads: the single-process server runs it here, and each
+Ray Serve replica runs it at its start. Ray is imported only with `--ray`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from pathlib import Path
 
 from dresd.bench.methods import METHODS
@@ -24,6 +30,7 @@ from dresd.cli.options import (
 from dresd.corpus import output_row, save_output
 from dresd.errors import UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from dresd.serve.auth import API_KEY_ENV, exposure_warning
 from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
 
 
@@ -47,17 +54,56 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="the model's name in the API (default: --model, or "
                             f"{DEFAULT_MODEL_NAME} for the default model)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="every request must carry `Authorization: Bearer KEY` (else 401), "
+                            "but GET /health; default: $" + API_KEY_ENV + ", else none. The key "
+                            "is never logged")
+    serve.add_argument("--metrics-open", action="store_true",
+                       help="with an API key: GET /metrics answers without it too (for a "
+                            "Prometheus scraper that holds no key)")
+    serve.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="serve from replicas on Ray Serve behind one endpoint (its proxy "
+                            "binds --host:--port); ADDRESS: a cluster's (none: $RAY_ADDRESS or a "
+                            "local Ray). Needs pip install 'dresd[ray]'")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="with --ray: replicas, each loading the model and datastores once "
+                            "and using --threads CPUs (default 1); a request goes to the one "
+                            "with fewer requests in flight of two picked at random")
     add_save_outputs_option(serve)
     serve.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+    if args.ray is not None:
+        from dresd.serve.ray_serve import serve_on_ray  # Ray is imported with --ray only
+
+        return serve_on_ray(args, build_app, served_model_name(args))
+    import uvicorn
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build_app(args)
+    logging.getLogger("dresd.serve").info(
+        "API key: %s", "none" if not args.api_key else
+        "required (but GET /health%s)" % (" and /metrics" if args.metrics_open else ""))
+    # uvicorn's own access log is off: RequestLog writes one line per request instead.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a command line that cannot serve, before anything is loaded."""
     # The server's packages are an extra: imported here, so that every other command runs
     # without them.
     try:
-        import uvicorn
-
-        from dresd.serve.app import create_app
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as err:
         raise ImportError(f"dresd serve needs fastapi and uvicorn ({err}); "
                           "install them with pip install 'dresd[serve]'") from None
@@ -68,16 +114,33 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {args.port}")
+    if args.replicas < 1:
+        raise UserError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 and args.ray is None:
+        raise UserError("--replicas needs --ray: one process serves one replica")
+    if args.metrics_open and not (args.api_key or os.environ.get(API_KEY_ENV)):
+        raise UserError("--metrics-open needs an API key (--api-key or $" + API_KEY_ENV +
+                        "): without one every path is open already")
     for folder in args.datastore:
         if not (folder / "manifest.json").is_file():
             raise UserError(f"{folder} is not a datastore (no manifest.json); "
                             "build one with `dresd build`")
     if args.method in DATASTORE_METHODS and not args.datastore:
         raise UserError(f"--method {args.method} needs --datastore DIR")
-    defaults = settings_from_args(args)  # also applies --threads
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+def served_model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or (DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL
+                                      else args.model)
+
+
+def build_app(args: argparse.Namespace, metrics=None, metrics_text=None):
+    """(the FastAPI app, its engine) of one server process: the model, the datastores and
+    drafters, loaded once. `metrics`, `metrics_text`: as `create_app` takes them (a Ray Serve
+    replica reports to its deployment's /metrics)."""
+    from dresd.serve.app import create_app
+
+    defaults = settings_from_args(args)  # also applies --threads
     target = load_target_from_args(args)  # --model in --dtype on --device
     # The command line's drafter options, without a datastore: each store gets its own drafter.
     methods = [args.method] + (["draft"] if args.draft_model else [])
@@ -89,12 +152,10 @@ def run(args: argparse.Namespace) -> int:
                     output_saver(target, args.save_outputs))
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model == DEFAULT_MODEL
-                                      else args.model)
-    app = create_app(engine, name, model_aliases=(args.model,))
-    # uvicorn's own access log is off: RequestLog writes one line per request instead.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    return 0
+    app = create_app(engine, served_model_name(args), model_aliases=(args.model,),
+                     api_key=args.api_key, metrics_open=args.metrics_open, metrics=metrics,
+                     metrics_text=metrics_text)
+    return app, engine
 
 
 def output_saver(target, path: Path | None):
