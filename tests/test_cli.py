@@ -1,4 +1,5 @@
-"""Bad input ends with one clear line and exit status 2, never a traceback."""
+"""Bad input ends with one clear line and exit status 2, never a traceback; a bug ends with one
+line that says so (exit status 1), and with --debug its traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import sys
 import pytest
 
 from dresd.cli.main import main
+from dresd.corpus import CorpusError
+from dresd.datastore.format import DatastoreError
+from dresd.device import DeviceError
+from dresd.errors import DresdError, MissingPackageError, UserError
+from dresd.models import ModelError
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
@@ -77,3 +83,25 @@ def test_default_model_offline_and_not_cached_says_what_to_do(tmp_path):
     assert "Traceback" not in done.stderr
     assert "is not cached" in done.stderr and "dresd fetch-model" in done.stderr
     assert not (tmp_path / "models" / "SmolLM2-135M-Instruct").exists()
+
+
+def test_every_error_a_user_can_cause_is_a_dresd_error():
+    for error in (UserError, MissingPackageError, ModelError, DeviceError, CorpusError,
+                  DatastoreError):
+        assert issubclass(error, DresdError), error
+
+
+def broken_describe(*args, **kwargs):
+    raise ValueError("a check that should have raised a DresdError")
+
+
+def test_a_bug_is_an_internal_error_that_points_to_debug(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("dresd.cli.inspect.describe", broken_describe)
+    code, err = run_cli(capsys, "inspect", str(tmp_path))
+    assert code == 1
+    assert err == ("dresd: internal error: ValueError: a check that should have raised a "
+                   "DresdError (rerun with --debug for the traceback)\n")
+    for argv in (["--debug", "inspect", str(tmp_path)], ["inspect", str(tmp_path), "--debug"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and "in broken_describe" in err

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.errors import DresdError
 from dresd.fingerprint import tokenizer_fingerprint
 from dresd.prompts import encode_prompt
 
@@ -52,7 +53,7 @@ KEY_POSITIONS = ("all", "response")
 QA_TEMPLATE = "Question: {q}\nAnswer:\n"  # the paper's prompt format
 
 
-class CorpusError(ValueError):
+class CorpusError(DresdError, ValueError):
     """A corpus that cannot be read or used; the message names the file and the problem."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dresd.corpus import iter_jsonl
+from dresd.errors import UserError
 
 
 def data_dir() -> Path:
@@ -94,7 +95,7 @@ def load_prompts(
         texts = _prompts_from_file(Path(name), prompt_field, category_field)
         name = Path(name).name.split(".")[0]
     else:
-        raise ValueError(
+        raise UserError(
             f"unknown dataset {name!r}: use humaneval, humaneval-typehints, gsm8k, mt_bench "
             "or a .jsonl file"
         )
@@ -118,8 +119,8 @@ def _prompts_from_file(path: Path, prompt_field: str, category_field: str) -> li
     texts = []
     for number, row in iter_jsonl(path):
         if not isinstance(row.get(prompt_field), str):
-            raise ValueError(f"{path}: row {number} has no text field {prompt_field!r}")
+            raise UserError(f"{path}: row {number} has no text field {prompt_field!r}")
         texts.append((row[prompt_field], str(row.get(category_field, "all"))))
     if not texts:
-        raise ValueError(f"dataset file {path} holds no prompts")
+        raise UserError(f"dataset file {path} holds no prompts")
     return texts

@@ -14,11 +14,13 @@ from time import perf_counter
 
 import torch
 
+from dresd.errors import DresdError
+
 DEVICE_HELP = ("where the model runs: auto (default: CUDA when available, else the CPU), cpu, "
                "cuda, cuda:N")
 
 
-class DeviceError(ValueError):
+class DeviceError(DresdError, ValueError):
     """A device that cannot be used here; the message says why."""
 
 

@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from dresd import cpu_attention
+from dresd.errors import UserError
 from dresd.host import native_bf16_flags
 
 # The --dtype choices; "auto" resolves with `resolve_dtype`.
@@ -47,7 +48,7 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
     if name != "auto":
         return DTYPES[name]
     if torch.device(device).type == "cuda":

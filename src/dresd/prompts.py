@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.errors import UserError
+
 
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool = True
 ) -> list[int]:
     """Token ids of `prompt`, chat-formatted when the tokenizer has a template and it is wanted."""
     if not prompt.strip():
-        raise ValueError("the prompt is empty")
+        raise UserError("the prompt is empty")
     if chat_template and tokenizer.chat_template:
         encoded = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dresd.errors import MissingPackageError
 from dresd.models import Target
 
 # Jobs queued per actor beyond the one it is running: its next job is ready when it
@@ -102,5 +103,6 @@ def import_ray():
     try:
         import ray
     except ImportError as err:
-        raise ImportError("--ray needs the optional package: pip install 'dresd[ray]'") from err
+        raise MissingPackageError("--ray needs the optional package: "
+                                  "pip install 'dresd[ray]'") from err
     return ray

@@ -1,20 +1,22 @@
 """`dresd`'s entry point: the parser of every subcommand, and how a failure is reported.
 
-Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values)
-ends with a one-line `dresd: error: ...` and exit status 2, never a traceback.
+Every failure the user can cause (unknown model, empty or too long prompt, bad sampling values,
+a missing file, a full disk) ends with a one-line `dresd: error: ...` and exit status 2, never
+a traceback: such failures are raised as a `DresdError` (errors.py) or are the operating
+system's `OSError`. Anything else is a bug in dresd: one line `dresd: internal error: ...` and
+exit status 1, and with `--debug` the whole traceback, to report.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import NoReturn
 
 from dresd.cli import bench, build, calibrate, corpus, fetch_model, generate, inspect, serve
-from dresd.corpus import CorpusError
-from dresd.datastore.format import DatastoreError, partial_dir
-from dresd.errors import UserError
-from dresd.models import ModelError
+from dresd.datastore.format import partial_dir
+from dresd.errors import DresdError
 
 # The subcommands in the order `dresd --help` lists them.
 COMMANDS = [generate, bench, serve, calibrate, fetch_model, build, corpus, inspect]
@@ -31,10 +33,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="dresd", description="Lossless speculative decoding by dense retrieval (DReSD)."
     )
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(commands)
+    add_debug_option(commands)
     return parser
+
+
+DEBUG_HELP = "on an internal error, print the whole traceback"
+
+
+def add_debug_option(commands: argparse._SubParsersAction) -> None:
+    """--debug after the subcommand too (`dresd generate ... --debug`), where it is easy to
+    add to a command line that failed. SUPPRESS: a subcommand that is not given it leaves
+    the top-level value alone."""
+    for subparser in commands.choices.values():
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                               help=DEBUG_HELP)
+        for action in subparser._actions:  # `dresd corpus regenerate`: one level down
+            if isinstance(action, argparse._SubParsersAction):
+                add_debug_option(action)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,15 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (UserError, ModelError, CorpusError, DatastoreError, ValueError, ImportError) as err:
+    except DresdError as err:
+        if args.debug:
+            traceback.print_exc()
         print(f"dresd: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a missing file, a full disk, a file-size limit, no permission
+        if args.debug:
+            traceback.print_exc()
         print(f"dresd: error: {os_error_message(err, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dresd: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a bug: say so, and how to get what a bug report needs
+        if args.debug:
+            traceback.print_exc()
+            return 1
+        message = str(err).splitlines()[0] if str(err) else ""
+        print(f"dresd: internal error: {type(err).__name__}: {message} "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 def os_error_message(err: OSError, args: argparse.Namespace) -> str:

@@ -28,7 +28,7 @@ from dresd.cli.options import (
     settings_from_args,
 )
 from dresd.corpus import output_row, save_output
-from dresd.errors import UserError
+from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning
 from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
@@ -105,8 +105,8 @@ def check_args(args: argparse.Namespace) -> None:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"dresd serve needs fastapi and uvicorn ({err}); "
-                          "install them with pip install 'dresd[serve]'") from None
+        raise MissingPackageError(f"dresd serve needs fastapi and uvicorn ({err}); "
+                                  "install them with pip install 'dresd[serve]'") from None
     if args.no_chat_template:
         raise UserError("serve: /v1/chat/completions uses the chat template and /v1/completions "
                         "the raw text; --no-chat-template does not apply")
@@ -125,6 +125,10 @@ def check_args(args: argparse.Namespace) -> None:
         if not (folder / "manifest.json").is_file():
             raise UserError(f"{folder} is not a datastore (no manifest.json); "
                             "build one with `dresd build`")
+    names = [folder.name for folder in args.datastore]
+    if len(set(names)) < len(names):  # the engine refuses it too, but after loading the model
+        raise UserError("two --datastore folders have the same name; a request names one by its "
+                        "folder name, so give the folders distinct names")
     if args.method in DATASTORE_METHODS and not args.datastore:
         raise UserError(f"--method {args.method} needs --datastore DIR")
 

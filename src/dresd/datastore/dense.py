@@ -49,13 +49,12 @@ from dresd.corpus import (
 from dresd.datastore import index as key_index
 from dresd.datastore.format import (
     AtomicBuild,
+    DatastoreError,
     Manifest,
     check_compatible,
-    model_fingerprint,
     open_manifest,
     save_npy_atomic,
     save_npy_blocks,
-    tokenizer_fingerprint,
 )
 from dresd.datastore.sparse_store import KIND as SPARSE_KIND
 from dresd.datastore.sparse_store import kinds, write_sparse_part
@@ -63,7 +62,9 @@ from dresd.datastore.sparse_store import kinds, write_sparse_part
 if TYPE_CHECKING:  # Ray is optional, and imported only by a build that uses it
     from dresd.raypool import RayPool
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
+from dresd.errors import UserError
 from dresd.fastpath import dtype_name
+from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from dresd.models import Target
 
 KIND = "dense"
@@ -93,9 +94,9 @@ class DenseBuildConfig:
 
     def __post_init__(self) -> None:
         if self.pca_dim < 1 or self.value_len < 2:
-            raise ValueError("pca_dim must be >= 1 and value_len >= 2")
+            raise UserError("pca_dim must be >= 1 and value_len >= 2")
         if self.chunk_tokens < 1 or self.batch_tokens < 1:
-            raise ValueError("chunk_tokens and batch_tokens must be >= 1")
+            raise UserError("chunk_tokens and batch_tokens must be >= 1")
 
 
 @dataclass
@@ -206,7 +207,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
                           "smaller --pca-dim)")
     hidden_size = target.model.config.hidden_size
     if config.pca_dim > hidden_size:
-        raise ValueError(f"--pca-dim {config.pca_dim} exceeds the hidden size {hidden_size}")
+        raise UserError(f"--pca-dim {config.pca_dim} exceeds the hidden size {hidden_size}")
     return _DenseBuild(target, spec, docs, config, out, progress, with_sparse, ray).run()
 
 
@@ -416,7 +417,8 @@ class DenseDatastore:
         self.folder = Path(folder)
         self.manifest = open_manifest(self.folder)  # checked against its files first
         if KIND not in kinds(self.manifest):
-            raise ValueError(f"{self.folder} is a {self.manifest.kind} datastore, not a dense one")
+            raise DatastoreError(f"{self.folder} is a {self.manifest.kind} datastore, "
+                                 "not a dense one")
         self.settings = self.manifest.settings
         self.transform = KeyTransform.load(self.folder / TRANSFORM_FILE)
         self.index = key_index.open_index(self.folder, self.settings)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.errors import DresdError
 from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from dresd.host import file_sha256
 
@@ -56,7 +57,7 @@ PLAN = "plan.json"  # in the partial folder: what is being built, to check a res
 OPEN_HASH_BUDGET = 256 << 20
 
 
-class DatastoreError(ValueError):
+class DatastoreError(DresdError, ValueError):
     """A datastore that is missing, incomplete, corrupt or built for another model."""
 
 

@@ -32,6 +32,9 @@ from typing import Protocol
 
 import numpy as np
 
+from dresd.datastore.format import DatastoreError
+from dresd.errors import MissingPackageError, UserError
+
 KINDS = ("auto", "exact", "ivf", "ivfpq", "scann")
 EXACT_MAX_ENTRIES = 50_000  # above this, one query scoring every key costs over ~1 ms
 KEYS_FILE = "keys.npy"
@@ -58,7 +61,7 @@ class KeyIndex(Protocol):
 
 def choose_kind(kind: str, num_entries: int) -> str:
     if kind not in KINDS:
-        raise ValueError(f"unknown index {kind!r}; choose from {', '.join(KINDS)}")
+        raise UserError(f"unknown index {kind!r}; choose from {', '.join(KINDS)}")
     if kind == "auto":
         return "exact" if num_entries <= EXACT_MAX_ENTRIES else "ivf"
     return kind
@@ -313,8 +316,8 @@ def import_scann():
     try:
         import scann
     except ImportError as err:
-        raise ImportError("the ScaNN index needs the optional package: pip install "
-                          "'dresd[scann]' (wheels exist for Linux x86-64 only)") from err
+        raise MissingPackageError("the ScaNN index needs the optional package: pip install "
+                                  "'dresd[scann]' (wheels exist for Linux x86-64 only)") from err
     return scann
 
 
@@ -329,7 +332,7 @@ def build_index(kind: str, keys: np.ndarray, folder: Path, recall_target: float 
         return build_ivfpq(keys, folder, recall_target)
     if kind == "scann":
         return build_scann(keys, folder)
-    raise ValueError(f"unknown index kind {kind!r}")
+    raise UserError(f"unknown index kind {kind!r}")
 
 
 def open_index(folder: Path, settings: dict) -> KeyIndex:
@@ -342,7 +345,7 @@ def open_index(folder: Path, settings: dict) -> KeyIndex:
         return ReRankedIndex.open(folder, settings)
     if kind == "scann":
         return ScannIndex.open(folder)
-    raise ValueError(f"unknown index kind {kind!r} in the manifest")
+    raise DatastoreError(f"unknown index kind {kind!r} in the manifest")
 
 
 def index_files(kind: str, folder: Path) -> list[str]:

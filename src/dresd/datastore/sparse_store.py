@@ -29,11 +29,10 @@ from dresd.datastore.format import (
     DatastoreError,
     Manifest,
     check_compatible,
-    model_fingerprint,
     open_manifest,
-    tokenizer_fingerprint,
 )
 from dresd.datastore.sparse import FILES, SparseIndex, build_sparse
+from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from dresd.models import Target
 
 KIND = "sparse"

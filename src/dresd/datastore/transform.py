@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dresd.datastore.format import save_npz_atomic
+from dresd.errors import UserError
 
 STD_FLOOR = 1e-6  # a constant dimension gets this std, not a division by zero
 
@@ -44,10 +45,10 @@ class StatsAccumulator:
     def fit(self, dim: int) -> KeyTransform:
         """The transform to `dim` dimensions; needs more samples than `dim`."""
         if self.count <= dim:
-            raise ValueError(f"fitting a PCA to {dim} dimensions needs more than {dim} "
-                             f"positions; the sample has {self.count}")
+            raise UserError(f"fitting a PCA to {dim} dimensions needs more than {dim} "
+                            f"positions; the sample has {self.count}")
         if dim > len(self.sum):
-            raise ValueError(f"PCA dimension {dim} exceeds the hidden size {len(self.sum)}")
+            raise UserError(f"PCA dimension {dim} exceeds the hidden size {len(self.sum)}")
         mean = self.sum / self.count
         cov = self.sum_outer / self.count - np.outer(mean, mean)
         std = np.sqrt(np.clip(np.diag(cov), 0.0, None))

@@ -10,6 +10,7 @@ from dresd.drafters.model import DraftModelDrafter
 from dresd.drafters.none import NoDrafter
 from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
+from dresd.errors import UserError
 
 # method name -> drafter class; each takes its own keyword options
 DRAFTERS: dict[str, type] = {
@@ -26,7 +27,7 @@ DRAFTERS: dict[str, type] = {
 def make_drafter(method: str, **options) -> Drafter:
     """The drafter for `method`, built with the options that apply to it (None = default)."""
     if method not in DRAFTERS:
-        raise ValueError(f"unknown method {method!r}; choose from ar, {', '.join(DRAFTERS)}")
+        raise UserError(f"unknown method {method!r}; choose from ar, {', '.join(DRAFTERS)}")
     cls = DRAFTERS[method]
     fields = getattr(cls, "__dataclass_fields__", {})
     return cls(**{k: v for k, v in options.items() if k in fields and v is not None})

@@ -62,6 +62,7 @@ from dresd.datastore.dense import DenseDatastore
 from dresd.decoding.drafter import Draft, DraftContext
 from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import prefix_tree_drafts
+from dresd.errors import UserError
 from dresd.models import Target
 
 
@@ -95,9 +96,9 @@ class DenseDrafter:
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.num_drafts < 1 or self.len_drafts < 1:
-            raise ValueError("DReSD needs k, num_drafts and len_drafts >= 1")
+            raise UserError("DReSD needs k, num_drafts and len_drafts >= 1")
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
-            raise ValueError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
+            raise UserError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
         self.store = DenseDatastore(self.datastore)
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,

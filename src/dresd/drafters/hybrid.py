@@ -64,6 +64,7 @@ from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
+from dresd.errors import UserError
 from dresd.models import Target
 
 # (sources, support bucket, depth bucket, first among its siblings, suffix share bucket)
@@ -342,7 +343,7 @@ class HybridDrafter:
 
     def __post_init__(self) -> None:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.neighbours < 1:
-            raise ValueError("hybrid needs draft_len, max_tree_nodes and neighbours >= 1")
+            raise UserError("hybrid needs draft_len, max_tree_nodes and neighbours >= 1")
         self.table = AcceptanceTable(self.prior_strength)
         if self.prior is not None:
             self.table.load_prior(self.prior)

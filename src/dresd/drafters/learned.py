@@ -26,12 +26,13 @@ import numpy as np
 
 from dresd.datastore.sparse import SparseIndex, sparse_in_memory
 from dresd.drafters.prefixes import most_frequent_prefixes
+from dresd.errors import UserError
 
 
 class LearnedSparseStore:
     def __init__(self, max_requests: int = 1000, max_tokens: int = 100_000) -> None:
         if max_requests < 1 or max_tokens < 1:
-            raise ValueError("a learned store needs max_requests and max_tokens >= 1")
+            raise UserError("a learned store needs max_requests and max_tokens >= 1")
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self.outputs: deque[list[int]] = deque()
@@ -78,7 +79,7 @@ def merged_prefix_drafts(blocks: list[tuple[SparseIndex, np.ndarray]], max_nodes
 class LearnedDenseStore:
     def __init__(self, transform, max_requests: int = 1000, max_tokens: int = 100_000) -> None:
         if max_requests < 1 or max_tokens < 1:
-            raise ValueError("a learned store needs max_requests and max_tokens >= 1")
+            raise UserError("a learned store needs max_requests and max_tokens >= 1")
         self.transform = transform  # the datastore's KeyTransform: keys comparable to its own
         self.max_requests = max_requests
         self.max_tokens = max_tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dresd.decoding.drafter import Draft, DraftContext
+from dresd.errors import UserError
 
 
 @dataclass
@@ -25,9 +26,9 @@ class PromptLookupDrafter:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError("PLD needs 1 <= min_ngram <= max_ngram")
+            raise UserError("PLD needs 1 <= min_ngram <= max_ngram")
         if self.draft_len < 1 or self.num_drafts < 1:
-            raise ValueError("PLD needs draft_len >= 1 and num_drafts >= 1")
+            raise UserError("PLD needs draft_len >= 1 and num_drafts >= 1")
 
     def propose(self, context: DraftContext) -> list[Draft]:
         tokens = context.token_ids

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dresd.decoding.drafter import Draft, DraftContext
+from dresd.errors import UserError
 
 
 @dataclass
@@ -27,9 +28,9 @@ class DraftModelDrafter:
 
     def __post_init__(self) -> None:
         if self.model is None:
-            raise ValueError("the draft method needs a draft model (--draft-model)")
+            raise UserError("the draft method needs a draft model (--draft-model)")
         if self.draft_len < 1:
-            raise ValueError("draft_len must be >= 1")
+            raise UserError("draft_len must be >= 1")
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> list[Draft]:

@@ -46,6 +46,7 @@ from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datast
 from dresd.decoding.drafter import Draft, DraftContext
 from dresd.drafters.learned import LearnedSparseStore, merged_prefix_drafts
 from dresd.drafters.prefixes import most_frequent_prefixes
+from dresd.errors import UserError
 from dresd.models import Target
 
 
@@ -67,14 +68,14 @@ class RestDrafter:
 
     def __post_init__(self) -> None:
         if self.datastore is None:
-            raise ValueError("REST needs a sparse datastore (--datastore DIR)")
+            raise UserError("REST needs a sparse datastore (--datastore DIR)")
         if not isinstance(self.datastore, SparseIndex):
             self.folder = self.datastore
             self.datastore, self.manifest = open_sparse_datastore(self.datastore)
         if not 1 <= self.min_suffix <= self.max_suffix:
-            raise ValueError("REST needs 1 <= min_suffix <= max_suffix")
+            raise UserError("REST needs 1 <= min_suffix <= max_suffix")
         if self.max_matches < 1 or self.draft_len < 1 or self.max_tree_nodes < 1:
-            raise ValueError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
+            raise UserError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
         if self.learn:
             self.learned = LearnedSparseStore(self.max_cached_requests, self.max_cached_tokens)
 

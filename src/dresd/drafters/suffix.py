@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dresd.decoding.drafter import Draft, DraftContext
+from dresd.errors import UserError
 
 
 class Node:
@@ -85,7 +86,7 @@ class SuffixTrie:
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
-            raise ValueError("a suffix trie needs max_depth >= 2 (a match and a draft token)")
+            raise UserError("a suffix trie needs max_depth >= 2 (a match and a draft token)")
         self.max_depth = max_depth
         self.root = Node()  # the empty string: count = stored tokens
         self.num_nodes = 0  # stored nodes (lazy chains not counted): the memory
@@ -269,12 +270,12 @@ class SuffixDrafter:
 
     def __post_init__(self) -> None:
         if self.max_depth < 2:
-            raise ValueError("suffix needs max_depth >= 2")
+            raise UserError("suffix needs max_depth >= 2")
         if self.max_tree_nodes < 1 or self.max_spec_factor < 0 or self.min_token_prob < 0:
-            raise ValueError("suffix needs max_tree_nodes >= 1, max_spec_factor >= 0 and "
-                             "min_token_prob >= 0")
+            raise UserError("suffix needs max_tree_nodes >= 1, max_spec_factor >= 0 and "
+                            "min_token_prob >= 0")
         if self.max_cached_requests < 0 or self.max_cached_tokens < 0:
-            raise ValueError("suffix needs max_cached_requests and max_cached_tokens >= 0")
+            raise UserError("suffix needs max_cached_requests and max_cached_tokens >= 0")
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached = deque()
         self._reset_request()
