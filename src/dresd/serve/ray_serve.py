@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import threading
 import time
 import uuid
@@ -193,7 +194,8 @@ def build_replica_app(args: argparse.Namespace, build_app: BuildApp, model_name:
 
 def max_ongoing_requests(args: argparse.Namespace) -> int:
     """Requests one replica holds at most: its queue plus what it generates at once."""
-    return args.max_queue + max(1, int(getattr(args, "max_batch", 1) or 1))
+    # --max-batch-size comes with the batched engine; the one-at-a-time engine runs one.
+    return args.max_queue + getattr(args, "max_batch_size", 1)
 
 
 def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
@@ -226,7 +228,12 @@ def serve_on_ray(args: argparse.Namespace, build_app: BuildApp, model_name: str)
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=True)
+        from dresd.serve.auth import is_loopback
+
+        # A Ray started here for a loopback endpoint keeps its own ports on loopback too.
+        local = not args.ray and not os.environ.get("RAY_ADDRESS") and is_loopback(args.host)
+        ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=True,
+                 **({"_node_ip_address": "127.0.0.1"} if local else {}))
     board = deploy(args, build_app, model_name)
     print(f"dresd serve: {args.replicas} replica(s) on Ray Serve at "
           f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)

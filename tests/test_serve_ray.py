@@ -1,0 +1,177 @@
+"""`dresd serve --ray --replicas 2`: two Ray Serve replicas of the server behind one endpoint, on
+a local Ray (2 CPUs, 127.0.0.1), with the official `openai` client.
+
+One deployment for the module (the replicas load the model once each), with an API key and
+`--save-outputs`. Concurrent streams come back as `dresd generate` prints them (float32, so
+token for token on any machine) and are spread over both replicas; the key is checked as on
+the single-process server; /metrics pools both replicas; each replica's saved outputs feed
+`dresd build --append`. Last, a replica is killed mid-stream: its client gets an error, never a
+shortened success, and the endpoint keeps answering.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from dresd.serve.local import free_port
+
+ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'dresd[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve: pip install 'dresd[ray]'")
+
+KEY = "sk-ray-test-51d0"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 12
+QUESTIONS = [f"What is {a} plus {b}? Answer in one sentence." for a, b in
+             [(2, 3), (7, 5), (10, 4), (6, 6), (12, 9), (3, 8)]]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from dresd.cli.main import build_parser
+    from dresd.cli.serve import build_app, served_model_name
+    from dresd.serve import ray_serve
+
+    saved = tmp_path_factory.mktemp("ray_serve") / "outputs.jsonl"
+    port = free_port()
+    args = build_parser().parse_args([
+        "serve", "--ray", "--replicas", "2", "--threads", "1", "--dtype", "float32",
+        "--max-new-tokens", str(MAX_TOKENS), "--method", "pld", "--host", "127.0.0.1",
+        "--port", str(port), "--api-key", KEY, "--save-outputs", str(saved)])
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        ray_serve.deploy(args, build_app, served_model_name(args))
+        yield f"http://127.0.0.1:{port}", saved
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def streamed_chat(url: str, prompt: str, max_tokens: int = MAX_TOKENS
+                  ) -> tuple[str, str | None, str]:
+    """(text, finish reason, the replica that answered) of a streamed chat completion."""
+    with client(url).chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens, stream=True) as response:
+        replica = response.headers["x-dresd-replica"]
+        pieces, finish = [], None
+        for chunk in response.parse():
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+    return "".join(pieces), finish, replica
+
+
+def reference(target, prompt: str) -> str:
+    """What `dresd generate --method pld --prompt PROMPT` prints."""
+    from dresd.prompts import encode_prompt
+    from dresd.runner import GenerationSettings, MethodRunner
+
+    runner = MethodRunner(target, "pld", GenerationSettings(MAX_TOKENS, None, []))
+    result = runner.generate(encode_prompt(target.tokenizer, prompt, True))
+    return target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def get(url: str, key: str | None = None) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def pooled_successes(url: str) -> float:
+    status, text = get(url + "/metrics", key=KEY)
+    assert status == 200
+    found = re.findall(r'^dresd:request_success_total\{[^}]*\} (\S+)$', text, re.MULTILINE)
+    return sum(float(value) for value in found)
+
+
+def test_two_replicas_stream_what_generate_prints(deployment, default_target):
+    url, _ = deployment
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        replies = list(pool.map(lambda prompt: streamed_chat(url, prompt), QUESTIONS))
+    for prompt, (text, finish, _) in zip(QUESTIONS, replies, strict=True):
+        assert text == reference(default_target, prompt)
+        assert finish in ("stop", "length")
+    assert len({replica for _, _, replica in replies}) == 2  # both replicas served
+
+    # /metrics counts both replicas' requests (the pooled counters, then each replica's gauges)
+    deadline = time.monotonic() + 20
+    while pooled_successes(url) < len(QUESTIONS) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pooled_successes(url) == len(QUESTIONS)
+    text = get(url + "/metrics", key=KEY)[1]
+    assert len(re.findall(r'^dresd:replica_num_requests_running\{', text, re.MULTILINE)) == 2
+
+
+def test_the_api_key_is_checked_on_every_replica(deployment):
+    url, _ = deployment
+    for _ in range(4):  # requests land on either replica
+        with pytest.raises(openai.AuthenticationError) as caught:
+            client(url, "sk-wrong").models.list()
+        assert caught.value.body["code"] == "invalid_api_key"
+        assert get(url + "/v1/models")[0] == 401
+        assert get(url + "/metrics")[0] == 401
+        assert get(url + "/health")[0] == 200
+    assert [m.id for m in client(url).models.list().data] == [MODEL]
+
+
+def test_each_replica_saves_its_outputs_for_build_append(deployment, default_target, tmp_path):
+    """What the replicas generated, appended to a datastore, is retrieved from it after."""
+    from dresd.corpus import CorpusSpec
+    from dresd.datastore.append import append_to_datastore
+    from dresd.datastore.format import read_manifest
+    from dresd.datastore.sparse_store import build_sparse_datastore
+
+    url, saved = deployment
+    files = sorted(saved.parent.glob(f"{saved.stem}.*{saved.suffix}"))
+    assert len(files) == 2  # one file per replica: they never write the same one
+    rows = [json.loads(line) for path in files for line in path.read_text().splitlines()]
+    assert len(rows) >= len(QUESTIONS)
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text(json.dumps({"prompt": "Hello?", "response": "Hello there."}) + "\n")
+    store = build_sparse_datastore(default_target, CorpusSpec([str(seed)]), tmp_path / "store",
+                                   progress=False)
+    before = read_manifest(store).num_documents
+    append_to_datastore(default_target, CorpusSpec([str(path) for path in files]), store,
+                        progress=False)
+    assert read_manifest(store).num_documents == before + len(rows)
+
+
+def test_a_killed_replica_fails_its_stream_and_the_other_answers(deployment):
+    url, _ = deployment
+    stream = client(url).chat.completions.with_streaming_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=400, stream=True)
+    finish, chunks = None, 0
+    with pytest.raises(openai.APIError), stream as response:
+        replica = response.headers["x-dresd-replica"]
+        for chunk in response.parse():
+            chunks += 1
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+            if chunks == 3:
+                [actor] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["name"].endswith("#" + replica)]
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    assert finish is None  # no finish reason: the client never took the stream for whole
+    for prompt in QUESTIONS[:3]:
+        text, finish, answered_by = streamed_chat(url, prompt)
+        assert text and finish in ("stop", "length") and answered_by != replica
