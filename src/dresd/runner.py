@@ -1,19 +1,23 @@
-"""Run one generation method on a loaded target: `ar` or any drafter through the speculative loop.
+"""Run one generation method on a loaded target: `ar` or any drafter, through the one loop.
 
-`ar` is plain `transformers` `generate`: the reference every method is compared with. The other
-methods are drafters (see `dresd.drafters`) driving `speculative_generate`; `none` drafts nothing
-and so is plain decoding through the same loop.
+`ar` is plain decoding: the batched loop (`decoding/batch.py`) with no drafts, on the same
+forward as every other method, so that every comparison is like for like. That forward is
+transformers' own, row for row (`decoding/forward.py`; tested against `model.generate`). The
+other methods are drafters (see `dresd.drafters`); `none` drafts nothing, as `ar` does.
+
+`generate` runs one prompt alone (single-stream); `generate_many` runs many prompts through
+one batch, `concurrency` of them at a time, as a server under that many clients would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.device import clock
-from dresd.drafters import Drafter, make_drafter
+from dresd.decoding import SamplingConfig
+from dresd.decoding.batch import BatchEngine, Request
+from dresd.decoding.drafter import Drafter
+from dresd.drafters import make_drafter
+from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
 
@@ -28,7 +32,7 @@ class GenerationSettings:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 class MethodRunner:
@@ -46,13 +50,11 @@ class MethodRunner:
         self.method = method
         self.label = label or method  # its name in reports: "dresd[max_tree_nodes=2]"
         self.settings = settings
-        self.drafter: Drafter | None = (
-            None if method == AR else make_drafter(method, **drafter_options)
-        )
+        self.drafter: Drafter = make_drafter("none" if method == AR else method,
+                                             **drafter_options)
         # Drafters bound to a model (datastores) refuse a target they were not built for.
-        check_target = getattr(self.drafter, "check_target", None)
-        if check_target is not None:
-            check_target(target)
+        self.drafter.check_target(target)
+        self.engine = BatchEngine(target.model, max_batch_size=1)  # reused prompt to prompt
 
     def check_fits(self, prompt_ids: list[int]) -> int:
         """How many new tokens the prompt leaves room for; an error if it fills the context."""
@@ -60,61 +62,36 @@ class MethodRunner:
         if limit is None:
             return self.settings.max_new_tokens
         if len(prompt_ids) >= limit:
-            raise ValueError(
+            raise UserError(
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit} tokens"
             )
         return min(self.settings.max_new_tokens, limit - len(prompt_ids))
 
-    def generate(self, prompt_ids: list[int]) -> GenerationResult:
-        max_new_tokens = self.check_fits(prompt_ids)
-        input_ids = torch.tensor([prompt_ids], device=self.target.device)
-        if self.drafter is None:
-            return self._hf_generate(input_ids, max_new_tokens)
-        return speculative_generate(
-            self.target.model,
-            self.drafter,
-            input_ids,
-            max_new_tokens=max_new_tokens,
+    def request(self, prompt_ids: list[int], drafter: Drafter | None = None) -> Request:
+        """The loop's request for one prompt with this method's settings."""
+        return Request(
+            prompt=prompt_ids,
+            drafter=drafter or self.drafter,
+            max_new_tokens=self.check_fits(prompt_ids),
             sampling=self.settings.sampling,
             eos_token_ids=self.target.eos_token_ids,
             stop_strings=self.settings.stop_strings,
             tokenizer=self.target.tokenizer,
             max_length=self.target.max_length,
+            # the reference keeps its logits' top two, to classify others' divergences
+            record_top2=self.method == AR and self.settings.sampling is None,
         )
 
-    @torch.inference_mode()
-    def _hf_generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
-        sampling = self.settings.sampling
-        options: dict = {"do_sample": False}
-        if sampling is not None:
-            torch.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-            # top_k=0 spells "no top-k" for generate, whose own default would be 50.
-            options = dict(
-                do_sample=True,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-            )
-        if self.settings.stop_strings:
-            options.update(stop_strings=self.settings.stop_strings, tokenizer=self.target.tokenizer)
-        eos = self.target.eos_token_ids
-        device = self.target.device
-        started = clock(device)
-        output = self.target.model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos or None,
-            pad_token_id=eos[0] if eos else 0,
-            output_logits=True,  # keeps each step's raw logits: a reference, at no extra work
-            return_dict_in_generate=True,
-            **options,
-        )
-        seconds = clock(device) - started
-        new_tokens = output.sequences[0, input_ids.shape[1] :].tolist()
-        top2 = torch.stack([step[0] for step in output.logits]).float().topk(2, dim=-1).values
-        # generate runs one forward per new token: the prefill gives the first.
-        return GenerationResult(
-            token_ids=new_tokens, total_seconds=seconds, num_target_forwards=len(new_tokens),
-            top2_logits=[(a, b) for a, b in top2.tolist()] if sampling is None else None,
-        )
+    def generate(self, prompt_ids: list[int]) -> GenerationResult:
+        state = self.engine.add(self.request(prompt_ids))
+        self.engine.run()
+        return state.result
+
+    def generate_many(self, prompts: list[list[int]], concurrency: int) -> list[GenerationResult]:
+        """All prompts through one batch, at most `concurrency` generating at once (the rest
+        queue and join as others finish). Each request drafts with its own fork of the
+        drafter. A result's `prefill_seconds` counts from the moment all were submitted."""
+        engine = BatchEngine(self.target.model, max_batch_size=concurrency)
+        states = [engine.add(self.request(ids, self.drafter.fork())) for ids in prompts]
+        engine.run()
+        return [state.result for state in states]

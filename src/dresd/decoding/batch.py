@@ -60,6 +60,9 @@ class Request:
     # Gets each step's emitted tokens as they are accepted (streaming); returning False
     # cancels the generation there (stop reason "cancelled").
     on_tokens: Callable[[list[int]], bool | None] | None = None
+    # Greedy only: keep the two best logits behind every emitted token (result.top2_logits),
+    # so that another method's divergence from this output can be told a near-tie or not.
+    record_top2: bool = False
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Running:
     tree: DraftTree | None = None  # this step's tree
     draft_seconds: float = 0.0
     states: list[torch.Tensor] = field(default_factory=list)  # for a drafter that learns
+    error: Exception | None = None  # what ended it, where its drafter failed
 
     @property
     def prompt_len(self) -> int:
@@ -123,7 +127,8 @@ class BatchEngine:
             stopping=StoppingRule(request.max_new_tokens, request.eos_token_ids,
                                   request.stop_strings, request.tokenizer),
             generator=sampling.generator(self.device) if sampling else None,
-            result=GenerationResult(token_ids=[]),
+            result=GenerationResult(token_ids=[],
+                                    top2_logits=[] if request.record_top2 else None),
             started=clock(self.device),
         )
         self.waiting.append(state)
@@ -146,7 +151,7 @@ class BatchEngine:
             self.running.append(state)
 
         # 1. Every running sequence's rows: a prompt chunk, or its draft tree.
-        segments, members = [], []
+        segments, members, failed = [], [], []
         chunks = 0
         for state in self.running:
             if state.prefilling:
@@ -155,17 +160,24 @@ class BatchEngine:
                 chunks += 1
                 segments.append(self._prompt_chunk(state))
             else:
-                segments.append(self._draft(state))
+                try:
+                    segments.append(self._draft(state))
+                except Exception as err:  # noqa: BLE001 - one drafter's failure ends its request only
+                    state.error, state.result.stop_reason = err, "error"
+                    failed.append(state)
+                    continue
             members.append(state)
+        for state in failed:
+            self._finish(state)
         if not segments:
-            return []
+            return failed
 
         # 2. One forward over all of them.
         forward_started = clock(self.device)
         outputs = self.forward(segments)
         self.steps += 1
 
-        finished = []
+        finished = failed
         for state, segment, output in zip(members, segments, outputs, strict=True):
             if state.prefilling:
                 state.prefilled += len(segment)
@@ -176,6 +188,7 @@ class BatchEngine:
                 state.query = output.hidden[-1]
                 state.states.append(output.hidden[-1:])
                 emitted = [self._choose(state, output.logits[-1])]
+                self._record_top2(state, output.logits[-1:])
             else:
                 emitted = self._accept(state, segment, output, forward_started)
             # 5. Emit, stop where plain decoding stops.
@@ -236,6 +249,7 @@ class BatchEngine:
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
                                           state.generator)
+        self._record_top2(state, output.logits[path])  # the rows that chose each token
         # 4. Only the accepted path stays in the cache; its last state is the next query.
         self.forward.keep(state.cache, segment.start, path)
         state.query = output.hidden[path[-1]]
@@ -249,6 +263,12 @@ class BatchEngine:
             verify_seconds=clock(self.device) - forward_started,
         ))
         return [tree.tokens[node] for node in path[1:]] + [bonus]
+
+    @staticmethod
+    def _record_top2(state: Running, logits: torch.Tensor) -> None:
+        if state.result.top2_logits is not None:
+            top2 = logits.float().topk(2, dim=-1).values.tolist()
+            state.result.top2_logits.extend((a, b) for a, b in top2)
 
     def _emit(self, state: Running, emitted: list[int]) -> bool:
         """Append the step's tokens; True when the sequence is done."""
@@ -272,9 +292,12 @@ class BatchEngine:
         self.running.remove(state)
         result = state.result
         observe = getattr(state.request.drafter, "observe", None)
-        if observe is not None and state.states:  # a drafter that learns keeps what was said
+        # a drafter that learns keeps what the model said
+        if observe is not None and state.states and state.error is None:
             states = torch.cat(state.states)[: len(result.token_ids)]
             observe(list(state.request.prompt), result.token_ids, states)
         result.num_target_forwards = (1 if state.query is not None else 0) + len(result.steps)
+        if result.top2_logits is not None:  # rows past a stop were computed, not emitted
+            del result.top2_logits[len(result.token_ids):]
         result.total_seconds = clock(self.device) - state.started
         state.cache = None

@@ -1,11 +1,12 @@
-"""The engine behind the server: one model, one worker thread, requests generated one at a time.
+"""The engine behind the server: one model, one worker thread, every request in one batch.
 
-Why one at a time: the speculative loop verifies one sequence's draft tree per forward, and on a
-CPU one generation already keeps the cores it is given busy. So requests wait in a bounded queue
-(`--max-queue`; a full queue is refused with 503) and a single worker thread runs them in
-arrival order. Each generation is then exactly what `dresd generate` computes for that prompt,
-whatever else is queued: the loop keeps no state between calls, and greedy decoding is
-deterministic.
+Continuous batching: requests wait in a bounded queue (`--max-queue`; a full queue is refused
+with 503). The worker thread moves them into the batched loop (`decoding/batch.py`) as they
+come, up to `--max-batch-size` running at once, and runs one step after another: every running
+request's rows (a prompt chunk, or its draft tree) share one target forward. A request that
+finishes leaves at once and a waiting one takes its place at the next step. Each generation is
+still exactly what `dresd generate` computes for that prompt: the batched forward computes
+every sequence's rows from that sequence alone (tested), and greedy decoding is deterministic.
 
 The model and every datastore are loaded once, at start-up. Each method has one drafter built
 from the command line's options; a request that asks for other drafter options (a different
@@ -13,7 +14,7 @@ tree shape) gets a copy of that drafter sharing its opened datastore.
 
 Streaming: the loop calls back with the tokens each verify step accepts (`on_tokens`); the
 worker hands them to the request's asyncio queue. A request whose client went away sets its
-`cancelled` flag, and the loop stops at its next step.
+`cancelled` flag, and the worker takes it out of the batch before the next step.
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
-from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, make_drafter
+from dresd.decoding import SamplingConfig
+from dresd.decoding.batch import BatchEngine, Request, Running
+from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, NoDrafter, make_drafter
 from dresd.metrics import GenerationResult
 from dresd.models import Target
-from dresd.runner import AR, GenerationSettings, MethodRunner
+from dresd.runner import AR, GenerationSettings
 
 # Drafter options a request may set, with the largest value taken: a bigger draft tree costs
 # every queued request time (each verify forward grows with it), so absurd shapes are refused.
@@ -112,6 +112,7 @@ class Engine:
         datastores: list[str],
         max_queue: int = 64,
         on_finished: Callable[[list[int], GenerationResult], None] | None = None,
+        max_batch_size: int = 16,
     ) -> None:
         self.target = target
         # (method, datastore name or None) -> the drafter built from the command line's options
@@ -120,8 +121,9 @@ class Engine:
         self.default_method = default_method
         self.datastores = datastores  # names, the first is the default
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.running = 0  # generations in progress: 0 or 1
-        self.current: Job | None = None  # the job generating now
+        self.max_batch_size = max_batch_size  # requests running in one batch at most
+        self.running = 0  # requests in the batch now
+        self.batch_waiting = 0  # admitted to the loop, waiting for room in the batch
         self._worker: threading.Thread | None = None
         self.on_finished = on_finished  # called with (prompt ids, result) after each generation
 
@@ -179,9 +181,7 @@ class Engine:
         self._worker.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is queued and what runs (it stops at its next step), then join."""
-        if self.current is not None:
-            self.current.cancelled.set()
+        """Refuse what is queued, cancel what runs, then join the worker."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -205,48 +205,72 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self.jobs.qsize()
+        return self.jobs.qsize() + self.batch_waiting
 
-    def _work(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():  # its client left while it waited
-                continue
-            self.current, self.running = job, 1
-            try:
-                result = self.generate(job)
-                if self.on_finished is not None:
-                    self.on_finished(job.prompt_ids, result)
-                outcome = ("done", result)
-            except Exception as err:  # noqa: BLE001 - reported to that request; the worker lives on
-                outcome = ("error", err)
-            # Idle before the reply goes out: a client holding its response sees the server idle.
-            self.current, self.running = None, 0
-            job.post(*outcome)
-
-    def generate(self, job: Job) -> GenerationResult:
-        """Run one job on this thread, exactly as `dresd generate` would run its prompt."""
-        plan = job.plan
-        if plan.drafter is None:
-            # `ar` is transformers' generate, which has no per-step hook here: its tokens come
-            # in one piece at the end, and a client that leaves does not stop it.
-            result = MethodRunner(self.target, AR, plan.settings).generate(job.prompt_ids)
-            job.on_tokens(result.token_ids)
-            return result
-        return speculative_generate(
-            self.target.model,
-            plan.drafter,
-            torch.tensor([job.prompt_ids], device=self.target.device),
-            max_new_tokens=plan.settings.max_new_tokens,
-            sampling=plan.settings.sampling,
+    def request(self, job: Job) -> Request:
+        """The batched loop's request for a job: `ar` is plain decoding on the same forward."""
+        settings = job.plan.settings
+        return Request(
+            prompt=job.prompt_ids,
+            drafter=job.plan.drafter or NoDrafter(),
+            max_new_tokens=settings.max_new_tokens,
+            sampling=settings.sampling,
             eos_token_ids=self.target.eos_token_ids,
-            stop_strings=plan.settings.stop_strings,
+            stop_strings=settings.stop_strings,
             tokenizer=self.target.tokenizer,
             max_length=self.target.max_length,
             on_tokens=job.on_tokens,
         )
+
+    def _work(self) -> None:
+        batch = BatchEngine(self.target.model, max_batch_size=self.max_batch_size)
+        jobs: dict[int, tuple[Running, Job]] = {}  # id(state) -> (state, job)
+        while True:
+            # 1. Take what was submitted while the batch has room (the rest waits in the
+            #    bounded queue): wait for it when idle, else only what is there.
+            while len(batch.running) + len(batch.waiting) < self.max_batch_size:
+                try:
+                    job = self.jobs.get(block=not batch.busy())
+                except queue.Empty:
+                    break
+                if job is None:  # stop(): cancel what runs and leave
+                    for state, running_job in jobs.values():
+                        batch.cancel(state)
+                        running_job.post("error", RequestError("the server is shutting down",
+                                                               status=503))
+                    return
+                if job.cancelled.is_set():  # its client left while it waited
+                    continue
+                try:
+                    state = batch.add(self.request(job))
+                except ValueError as err:
+                    job.post("error", err)
+                    continue
+                jobs[id(state)] = (state, job)
+            # 2. Requests whose clients left go now, before they cost a forward.
+            for key, (state, job) in list(jobs.items()):
+                if job.cancelled.is_set():
+                    batch.cancel(state)
+                    del jobs[key]
+            # 3. One step for the whole batch.
+            try:
+                finished = batch.step()
+            except Exception as err:  # noqa: BLE001 - reported to its requests; the worker lives on
+                for state, job in jobs.values():
+                    batch.cancel(state)
+                    job.post("error", err)
+                jobs.clear()
+                batch = BatchEngine(self.target.model, max_batch_size=self.max_batch_size)
+                finished = []
+            self.running, self.batch_waiting = len(batch.running), len(batch.waiting)
+            for state in finished:
+                state, job = jobs.pop(id(state))
+                if state.error is not None:
+                    job.post("error", state.error)
+                    continue
+                if self.on_finished is not None:
+                    self.on_finished(job.prompt_ids, state.result)
+                job.post("done", state.result)
 
 
 def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
