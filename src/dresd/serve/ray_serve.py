@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dresd.raypool import import_ray
+from dresd.serve.auth import is_loopback
 from dresd.serve.metrics import PREFIX, ServerMetrics
 
 APP_NAME = "dresd"
@@ -228,23 +229,23 @@ def serve_on_ray(args: argparse.Namespace, build_app: BuildApp, model_name: str)
 
     started_here = not ray.is_initialized()
     if started_here:
-        from dresd.serve.auth import is_loopback
-
         # A Ray started here for a loopback endpoint keeps its own ports on loopback too.
         local = not args.ray and not os.environ.get("RAY_ADDRESS") and is_loopback(args.host)
         ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=True,
                  **({"_node_ip_address": "127.0.0.1"} if local else {}))
-    board = deploy(args, build_app, model_name)
-    print(f"dresd serve: {args.replicas} replica(s) on Ray Serve at "
-          f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-    try:
+    board = None
+    try:  # Ctrl-C while the replicas load takes the deployment down too
+        board = deploy(args, build_app, model_name)
+        print(f"dresd serve: {args.replicas} replica(s) on Ray Serve at "
+              f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
         serve.delete(APP_NAME)
-        ray.kill(board)
+        if board is not None:
+            ray.kill(board)
         if started_here:
             serve.shutdown()
             ray.shutdown()
