@@ -8,26 +8,20 @@ one core), which is most of what a tree costs beyond a decode step. The kernel k
 in float32, in an order fixed by the code (its header says which), at about the fused cost.
 
 It is compiled once per machine with the system C compiler (`cc`, or `$CC`) into the cache
-(`$DRESD_CACHE/kernels/`), with -march=native, and loaded with ctypes. Where there is no
-compiler, or the compile fails, `kernel()` returns None and the float64 PyTorch path stays:
-slower, equally batch-invariant. `DRESD_CPU_ATTENTION=0` turns the kernel off.
+(`$DRESD_CACHE/kernels/`), with -march=native, and loaded with ctypes (`kernels.load`). Where
+there is no compiler, or the compile fails, `kernel()` returns None and the float64 PyTorch
+path stays: slower, equally batch-invariant. `DRESD_CPU_ATTENTION=0` turns the kernel off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from dresd.host import cache_dir, cpu_flags, cpu_model
+from dresd import kernels
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # No -ffast-math: the kernel's invariance rests on the IEEE order of its sums. Fused
@@ -35,34 +29,12 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
 
 
-def _cpu_key() -> str:
-    """What -march=native compiles for: the CPU's model name and flags."""
-    return "\n".join([cpu_model(), *sorted(cpu_flags())])
-
-
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
-    if os.environ.get("DRESD_CPU_ATTENTION", "1") == "0":
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_ATTENTION", "float64 attention")
+    if library is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    source = SOURCE.read_text()
-    digest = hashlib.sha256("\n".join([source, *FLAGS, compiler, _cpu_key()]).encode())
-    path = cache_dir() / "kernels" / f"cpu_attention-{digest.hexdigest()[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                print(f"dresd: could not compile {SOURCE.name} (float64 attention instead):\n"
-                      f"{result.stderr.strip()}", file=sys.stderr)
-                return None
-            built.replace(path)  # atomic: another process sees a whole library or none
-    library = ctypes.CDLL(str(path))
     function = library.dresd_attention
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     function.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64,

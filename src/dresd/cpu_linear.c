@@ -1,0 +1,128 @@
+/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16 (dresd/cpu_linear.py loads it).
+ *
+ *   y[m, n] = bf16( (sum_k x[m, k] W[n, k]) + bias[n] ),   sum and bias add in float32,
+ *   bf16(): round to nearest, ties to even (as torch's .to(torch.bfloat16)).
+ *
+ * The promise: y[m, n] depends only on row m of x, on W and on the bias; not on how many rows
+ * came with it, which rows they were, nor on the thread count. So a decode step's row and the
+ * same row inside a verify forward or a prompt chunk are bit for bit the same.
+ *
+ * The reduction order, the same for every (m, n) whatever M or the threads:
+ *   acc = +0.0f (float32)
+ *   for p = 0, 1, ..., K2 - 1 (K2 = ceil(K / 2); K padded to even with one zero column):
+ *       acc = vdpbf16ps(acc; x[m, 2p], x[m, 2p + 1]; W[n, 2p], W[n, 2p + 1])
+ *             (one instruction lane: the two bf16 products, exact in float32, added to acc
+ *             in the order the hardware defines for that lane; DAZ/FTZ, round to nearest)
+ *   y[m, n] = bf16(acc + bias[n])   (no bias: bf16(acc))
+ * The vector lanes run over outputs n (16 per register), never over k: an output's whole sum
+ * is one lane of one register, one instruction per pair of k, in increasing k. Rows m and
+ * outputs n are independent of each other, so how the work is tiled (rows sharing a weight
+ * load, panels of outputs per thread) changes which lanes and registers compute at the same
+ * time, never the instructions applied to one output. Threads split the outputs (panels of
+ * 64) and, for many rows, the rows; never k.
+ *
+ * The weight layout (packed once by cpu_linear.py, so that a panel streams contiguously):
+ *   packed[panel][p][part][lane][2] = W[panel * 64 + part * 16 + lane][2p + (0, 1)]
+ * panels of PANEL = 64 outputs (N padded to a multiple of 64 with zero rows, outputs dropped),
+ * 4 parts of 16 lanes: 256 bytes per pair of k, read once per row tile in address order.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16                /* float32 lanes of a register: outputs computed at once */
+#define PARTS 4                 /* registers per panel: independent accumulators */
+#define PANEL (PARTS * LANES)   /* outputs per panel */
+#define MAX_TILE 6              /* rows sharing each weight load (6 x 4 accumulators) */
+#define ROW_GROUP 48            /* rows per work item when many rows: a panel stays in L2 */
+
+/* bf16(value) for 16 floats, to nearest, ties to even; NaN stays a quiet NaN. */
+static inline __m256i round_to_bf16(__m512 value) {
+    __m512i bits = _mm512_castps_si512(value);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* y rows [first, first + TILE) of one panel: see the header for the order of each sum. */
+static inline __attribute__((always_inline)) void tile(
+        const int TILE, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int pairs,
+        const float *bias, uint16_t *y, int64_t y_stride, int outputs) {
+    __m512 acc[MAX_TILE][PARTS];
+    for (int i = 0; i < TILE; i++)
+        for (int part = 0; part < PARTS; part++) acc[i][part] = _mm512_setzero_ps();
+    const int32_t *rows[MAX_TILE];
+    for (int i = 0; i < TILE; i++) rows[i] = (const int32_t *)(x + i * x_stride);
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *w = panel + (int64_t)p * 2 * PANEL;
+        _mm_prefetch((const char *)(w + 16 * 2 * PANEL), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 192), _MM_HINT_T0);
+        __m512bh weights[PARTS];
+        for (int part = 0; part < PARTS; part++)
+            weights[part] = (__m512bh)_mm512_loadu_si512(w + part * 2 * LANES);
+        for (int i = 0; i < TILE; i++) {
+            __m512bh pair = (__m512bh)_mm512_set1_epi32(rows[i][p]); /* x[2p], x[2p + 1] */
+            for (int part = 0; part < PARTS; part++)
+                acc[i][part] = _mm512_dpbf16_ps(acc[i][part], pair, weights[part]);
+        }
+    }
+    for (int i = 0; i < TILE; i++)
+        for (int part = 0; part < PARTS; part++) {
+            int first = part * LANES;
+            if (first >= outputs) break;
+            __m512 value = acc[i][part];
+            if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(bias + first));
+            __m256i out = round_to_bf16(value);
+            uint16_t *to = y + i * y_stride + first;
+            if (outputs - first >= LANES)
+                _mm256_storeu_si256((__m256i *)to, out);
+            else
+                _mm256_mask_storeu_epi16(to, (__mmask16)((1u << (outputs - first)) - 1), out);
+        }
+}
+
+/* Rows [first, last) of one panel, MAX_TILE rows at a time, then the rest in one tile. */
+static void panel_rows(const uint16_t *x, int64_t x_stride, int first, int last,
+                       const uint16_t *panel, int pairs, const float *bias, uint16_t *y,
+                       int64_t y_stride, int outputs) {
+    int m = first;
+    for (; m + MAX_TILE <= last; m += MAX_TILE)
+        tile(MAX_TILE, x + m * x_stride, x_stride, panel, pairs, bias, y + m * y_stride,
+             y_stride, outputs);
+    const uint16_t *xm = x + m * x_stride;
+    uint16_t *ym = y + m * y_stride;
+    switch (last - m) {
+        case 5: tile(5, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+        case 4: tile(4, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+        case 3: tile(3, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+        case 2: tile(2, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+        case 1: tile(1, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+        default: break;
+    }
+}
+
+/* x: rows x (2 * pairs) bf16, row stride x_stride (elements; a row of odd K padded with a zero
+ * by the caller); packed: the layout of the header, ceil(n / 64) panels; bias: n_padded float32
+ * or NULL; y: rows x n bf16, row stride y_stride. threads: OpenMP threads (1: no parallel
+ * region). */
+void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *packed,
+                  int pairs, int n, const float *bias, uint16_t *y, int64_t y_stride,
+                  int threads) {
+    int panels = (n + PANEL - 1) / PANEL;
+    int groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
+    int items = panels * groups;
+    /* Work item = (panel, row group), panel-major: a thread's items are consecutive row groups
+     * of one panel, so the panel's weights stay in cache across all its rows' tiles. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int item = 0; item < items; item++) {
+        int panel = item / groups, group = item % groups;
+        int first = group * ROW_GROUP, last = first + ROW_GROUP < rows ? first + ROW_GROUP : rows;
+        int outputs = n - panel * PANEL < PANEL ? n - panel * PANEL : PANEL;
+        panel_rows(x, x_stride, first, last, packed + (int64_t)panel * pairs * 2 * PANEL, pairs,
+                   bias ? bias + panel * PANEL : NULL, y + panel * PANEL, y_stride, outputs);
+    }
+}

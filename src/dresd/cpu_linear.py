@@ -1,0 +1,153 @@
+"""A batch-invariant bf16 linear layer in C, for CPUs with AVX-512 bf16 (`cpu_linear.c`).
+
+Why: a bf16 decode step on a CPU is mostly linear layers streaming their weights, and the
+project's exactness rule needs every output row bit for bit independent of the rows that share
+its call. oneDNN (`fastpath.PackedLinear`) gives that only from two rows up, and streams the
+weights at about half what one core can read. This kernel sums every output in one fixed order
+(`cpu_linear.c`'s header: one vector lane per output, one `vdpbf16ps` per pair of k, in
+increasing k), so any row count and any thread count give the same bits, and it reads the
+weights in a layout packed once (`pack`) that streams contiguously.
+
+It is compiled once per machine (`kernels.load`, with OpenMP: torch's own libgomp, already
+loaded in the process, serves it) into `$DRESD_CACHE/kernels/`. `kernel()` is None where the
+CPU lacks `avx512_bf16`, where no compiler builds it, or with `DRESD_CPU_LINEAR=0`; callers then
+keep `fastpath.PackedLinear`. The two round differently (another summation order), so one
+process uses one of them for every method.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from dresd import kernels
+from dresd.fastpath import PackedLinear
+from dresd.host import cpu_flags
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+# No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
+PANEL = 64  # outputs per panel of the packed layout (cpu_linear.c's PANEL)
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
+    if "avx512_bf16" not in cpu_flags():
+        return None
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_LINEAR", "oneDNN linears")
+    if library is None:
+        return None
+    function = library.dresd_linear
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer, i64, i32, pointer, i32, i32, pointer, pointer, i64, i32]
+    function.restype = None
+    return library
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 -> the kernel's layout: packed[panel][p][part][lane][2] =
+    W[panel * 64 + part * 16 + lane][2p + (0, 1)], N padded to whole panels and K to even
+    with zeros. Returned flat, contiguous."""
+    n, k = weight.shape
+    n_padded, k_padded = -(-n // PANEL) * PANEL, k + k % 2
+    padded = torch.zeros(n_padded, k_padded, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach().to(torch.bfloat16)
+    blocked = padded.view(n_padded // PANEL, PANEL, k_padded // 2, 2).permute(0, 2, 1, 3)
+    return blocked.contiguous().view(-1)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for x [..., K] bf16 on the CPU, W packed by `pack`; bias: float32
+    [N padded to 64] or None. threads: default `torch.get_num_threads()`. Returns [..., N]."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or k % 2:
+        rows = torch.nn.functional.pad(rows, (0, k % 2)) if k % 2 else rows.contiguous()
+    count = rows.shape[0]
+    out = torch.empty(count, out_features, dtype=torch.bfloat16)
+    if count:
+        kernel().dresd_linear(rows.data_ptr(), rows.stride(0), count, packed.data_ptr(),
+                              (k + 1) // 2, out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(),
+                              out.stride(0), threads or torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+def usable(module: torch.nn.Module) -> bool:
+    """Whether `InvariantLinear` can stand in for this module: an `nn.Linear` or a
+    `fastpath.PackedLinear` with bf16 weights on the CPU, where the kernel builds."""
+    weight = dense_weight(module)
+    return (weight is not None and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and kernel() is not None)
+
+
+def dense_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The [N, K] weight of an `nn.Linear` or a `fastpath.PackedLinear` (its oneDNN-packed
+    weight converted back, exactly), else None."""
+    if isinstance(module, torch.nn.Linear):
+        return module.weight.detach()
+    if isinstance(module, PackedLinear):
+        packed = module.packed_weight
+        return packed.to_dense() if packed.layout == torch._mkldnn else packed
+    return None
+
+
+class InvariantLinear(torch.nn.Module):
+    """A linear layer on the C kernel: y = x W^T + b, each output row bit for bit independent
+    of the other rows in the call and of the thread count. Same interface as
+    `fastpath.PackedLinear` (forward(x) for x [..., in_features])."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_weight", pack(weight), persistent=False)
+        padded_bias = None
+        if bias is not None:  # float32, exactly the bf16 values, padded to whole panels
+            padded_bias = torch.zeros(-(-self.out_features // PANEL) * PANEL)
+            padded_bias[:self.out_features] = bias.detach().float()
+        self.register_buffer("bias", padded_bias, persistent=False)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module) -> InvariantLinear:
+        """From an `nn.Linear` or a `fastpath.PackedLinear` (check `usable` first)."""
+        return cls(dense_weight(module), getattr(module, "bias", None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed_weight, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                "batch-invariant C kernel")
+
+
+def fuse(modules: list[torch.nn.Module]) -> InvariantLinear:
+    """One `InvariantLinear` for projections that share an input (q, k, v; gate, up): their
+    weights stacked along N. Its output columns are, bit for bit, the separate modules'
+    outputs: each output's sum is one lane running the same instructions over the same k
+    (cpu_linear.c's header), wherever its weight row sits."""
+    weights = [dense_weight(module) for module in modules]
+    biases = [getattr(module, "bias", None) for module in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(w.shape[0],
+                                                                       dtype=w.dtype)
+                          for b, w in zip(biases, weights, strict=True)])
+    return InvariantLinear(torch.cat(weights), bias)
+
+
+def invariant_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` and `fastpath.PackedLinear` of a bf16 CPU model by an
+    `InvariantLinear`; returns how many were replaced (0 where the kernel is not available).
+    Tied weights (an LM head sharing the embedding) give the head its own packed copy."""
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if usable(child):
+                setattr(module, name, InvariantLinear.from_module(child))
+                replaced += 1
+    return replaced
