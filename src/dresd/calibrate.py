@@ -18,6 +18,10 @@ CPU read cost(16) as 1.38 one run and 1.64 the next. The mask is built inside th
 as the generation loop pays it. A larger tree never costs less: where noise says so, the curve
 keeps the smaller tree's cost (a running maximum). Between measured sizes the curve is
 interpolated linearly, and beyond the last it grows by the last segment's slope.
+
+The forward timed is the loop's own (`decoding/forward.py`), and its cost is mostly the weights
+streamed once per forward, so the same curve prices a batched step by its rows in all: the
+batched loop's budget (`decoding/budget.py`) reads it that way.
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from dresd.decoding.generate import target_forward
+from dresd.decoding.forward import Forward, Segment, make_forward
 from dresd.decoding.tree import DraftTree
 from dresd.device import clock, device_name
 from dresd.fastpath import dtype_name
@@ -40,7 +43,8 @@ from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir
 from dresd.models import Target
 
-TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# rows of one forward: a tree, or (the same price) every row of a batched step
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
@@ -57,7 +61,9 @@ def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
 
 CONTEXT_LEN = 384  # cached tokens the trees are verified on
 REPEATS = 15  # timed sweeps over the sizes, after one warm-up sweep
-CURVE_VERSION = 4  # how the curve is measured (4: C attention); a cached other one is re-measured
+# how the curve is measured (4: C attention; 5: the loop's own forward, up to 128 rows); a
+# cached other one is measured again
+CURVE_VERSION = 5
 
 
 @torch.inference_mode()
@@ -104,27 +110,27 @@ def measure_verify_seconds(model: torch.nn.Module, sizes: tuple[int, ...] = TREE
 
 
 def filled_cache(model: torch.nn.Module, context_len: int, rng: np.random.Generator
-                 ) -> DynamicCache:
-    """A KV cache holding `context_len` random tokens."""
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
+                 ) -> tuple[Forward, object]:
+    """The loop's forward of `model` and a sequence of `context_len` random tokens in it."""
+    forward = make_forward(model)
+    sequence = forward.new_sequence()
     ids = rng.integers(model.config.vocab_size, size=context_len).tolist()
-    target_forward(model, torch.tensor([ids], device=device), cache)
-    return cache
+    forward([Segment(sequence, ids, 0, logits_rows="last")])
+    return forward, sequence
 
 
-def timed_verify(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree,
+def timed_verify(model: torch.nn.Module, cache: tuple[Forward, object], tree: DraftTree,
                  context_len: int) -> float:
-    """Seconds of one verify over `tree` on `cache` (its mask built, then the forward), which
-    holds `context_len` tokens and is cropped back to them afterwards."""
-    parameter = next(model.parameters())
-    device, dtype = parameter.device, parameter.dtype
-    ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)
+    """Seconds of one verify over `tree` (its mask built, then the forward) on a sequence that
+    holds `context_len` tokens, cut back to them afterwards: what a step of the loop runs."""
+    forward, sequence = cache
+    device = next(model.parameters()).device
     started = clock(device)
-    mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype, device)
-    target_forward(model, ids, cache, positions, mask)
+    linear = tree.is_linear()
+    forward([Segment(sequence, tree.tokens, context_len, depths=None if linear else tree.depths,
+                     ancestors=None if linear else tree.ancestor_matrix(device))])
     elapsed = clock(device) - started
-    cache.crop(-len(tree))
+    forward.keep(sequence, context_len, [])
     return elapsed
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dresd.calibrate import cost_at, load_or_measure
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request
 from dresd.decoding.drafter import Drafter
@@ -44,8 +45,13 @@ class MethodRunner:
         method: str,
         settings: GenerationSettings,
         label: str | None = None,
+        budget: bool | None = None,
         **drafter_options,
     ) -> None:
+        """`budget`: cut each step's tree to the nodes that pay by the machine's verify-cost
+        curve (`decoding/budget.py`, measured once and cached); None (default): yes, unless
+        `max_tree_nodes` fixes the tree's shape. False: verify the drafts as drafted (DReSD at
+        the paper's shape, say)."""
         self.target = target
         self.method = method
         self.label = label or method  # its name in reports: "dresd[max_tree_nodes=2]"
@@ -54,7 +60,14 @@ class MethodRunner:
                                              **drafter_options)
         # Drafters bound to a model (datastores) refuse a target they were not built for.
         self.drafter.check_target(target)
-        self.engine = BatchEngine(target.model, max_batch_size=1)  # reused prompt to prompt
+        if budget is None:
+            budget = drafter_options.get("max_tree_nodes") is None
+        self.budget = budget and method not in (AR, "none")  # nothing drafted, nothing to cut
+        self.cost = None
+        if self.budget:
+            curve = load_or_measure(target)
+            self.cost = lambda rows: cost_at(curve, rows)
+        self.engine = self.batch(1)  # reused prompt to prompt
 
     def check_fits(self, prompt_ids: list[int]) -> int:
         """How many new tokens the prompt leaves room for; an error if it fills the context."""
@@ -80,7 +93,12 @@ class MethodRunner:
             max_length=self.target.max_length,
             # the reference keeps its logits' top two, to classify others' divergences
             record_top2=self.method == AR and self.settings.sampling is None,
+            budget=self.budget,
         )
+
+    def batch(self, max_batch_size: int) -> BatchEngine:
+        """A batched loop for this method's requests, with its cost curve."""
+        return BatchEngine(self.target.model, max_batch_size=max_batch_size, cost=self.cost)
 
     def generate(self, prompt_ids: list[int]) -> GenerationResult:
         state = self.engine.add(self.request(prompt_ids))
@@ -91,7 +109,7 @@ class MethodRunner:
         """All prompts through one batch, at most `concurrency` generating at once (the rest
         queue and join as others finish). Each request drafts with its own fork of the
         drafter. A result's `prefill_seconds` counts from the moment all were submitted."""
-        engine = BatchEngine(self.target.model, max_batch_size=concurrency)
+        engine = self.batch(concurrency)
         states = [engine.add(self.request(ids, self.drafter.fork())) for ids in prompts]
         engine.run()
         return [state.result for state in states]

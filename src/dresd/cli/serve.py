@@ -48,6 +48,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             "may choose another with its `method` field")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch-size", type=int, default=16,
+                       help="requests generated together, their rows in one forward per step "
+                            "(continuous batching; default 16); more wait in the queue")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting at most; more are refused with 503 (default 64)")
     serve.add_argument("--served-model-name", default=None,
@@ -112,6 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
                         "the raw text; --no-chat-template does not apply")
     if args.max_queue < 1:
         raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_batch_size < 1:
+        raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be between 1 and 65535, got {args.port}")
     if args.replicas < 1:
@@ -151,9 +156,11 @@ def build_app(args: argparse.Namespace, metrics=None, metrics_text=None):
     options = drafter_options(argparse.Namespace(**{**vars(args), "datastore": None}), target,
                               methods)
     draft_model = {"model": options.pop("model")} if "model" in options else None
+    budget = options.pop("budget") is not False
     drafters, names = load_drafters(target, args.datastore, options, draft_model)
     engine = Engine(target, drafters, defaults, args.method, names, args.max_queue,
-                    output_saver(target, args.save_outputs))
+                    output_saver(target, args.save_outputs), max_batch_size=args.max_batch_size,
+                    budget=budget)
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     app = create_app(engine, served_model_name(args), model_aliases=(args.model,),

@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.decoding.budget import AcceptanceEstimates, batch_budget, restrict
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
@@ -63,6 +64,9 @@ class Request:
     # Greedy only: keep the two best logits behind every emitted token (result.top2_logits),
     # so that another method's divergence from this output can be told a near-tie or not.
     record_top2: bool = False
+    # Cut its trees to the nodes that pay for their rows in the step's forward (`budget.py`),
+    # where the engine has a cost curve; False: verify them as drafted (a fixed shape).
+    budget: bool = True
 
 
 @dataclass
@@ -97,7 +101,11 @@ class BatchEngine:
     """Runs many requests through one model, one forward per step for all of them."""
 
     def __init__(self, model: PreTrainedModel, max_batch_size: int = 16,
-                 prefill_chunk: int = PREFILL_CHUNK, prefill_chunks_per_step: int = 1) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, prefill_chunks_per_step: int = 1,
+                 cost: Callable[[int], float] | None = None) -> None:
+        """`cost(rows)`: a forward's cost in one-token steps (`calibrate.py`); given, every
+        request that takes the budget has its tree cut to what pays (`budget.py`); None:
+        trees are verified as drafted."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.model = model
@@ -110,6 +118,8 @@ class BatchEngine:
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
         self.steps = 0  # forwards run so far
+        self.cost = cost
+        self.estimates = AcceptanceEstimates()  # learned from every tree verified here
 
     def add(self, request: Request) -> Running:
         """Queue a request; it joins the batch at a step when there is room."""
@@ -151,26 +161,29 @@ class BatchEngine:
             self.running.append(state)
 
         # 1. Every running sequence's rows: a prompt chunk, or its draft tree.
-        segments, members, failed = [], [], []
-        chunks = 0
+        members, chunks, failed = [], {}, []
         for state in self.running:
             if state.prefilling:
-                if chunks == self.prefill_chunks_per_step:
+                if len(chunks) == self.prefill_chunks_per_step:
                     continue  # its next chunk waits for a later step
-                chunks += 1
-                segments.append(self._prompt_chunk(state))
+                chunks[id(state)] = self._prompt_chunk(state)
             else:
                 try:
-                    segments.append(self._draft(state))
-                except Exception as err:  # noqa: BLE001 - one drafter's failure ends its request only
+                    self._draft(state)
+                except Exception as err:  # noqa: BLE001 - a drafter's failure ends its request only
                     state.error, state.result.stop_reason = err, "error"
                     failed.append(state)
                     continue
             members.append(state)
         for state in failed:
             self._finish(state)
-        if not segments:
+        if not members:
             return failed
+        # The trees' nodes that pay for their rows in this step's forward (budget.py).
+        if self.cost is not None:
+            self._fit_budget([state for state in members if id(state) not in chunks],
+                             sum(len(chunk) for chunk in chunks.values()))
+        segments = [chunks.get(id(state)) or self._tree_segment(state) for state in members]
 
         # 2. One forward over all of them.
         forward_started = clock(self.device)
@@ -214,7 +227,8 @@ class BatchEngine:
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
                        logits_rows="last" if last else "none")
 
-    def _draft(self, state: Running) -> Segment:
+    def _draft(self, state: Running) -> None:
+        """The drafter's drafts after the sequence's last token, merged into `state.tree`."""
         request, result = state.request, state.result
         started = clock(self.device)
         max_length = request.max_length or state.prompt_len + request.max_new_tokens
@@ -226,9 +240,26 @@ class BatchEngine:
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
         if not self.tree_attention:
             drafts = drafts[:1]  # a causal mask can only verify one linear draft
-        tree = DraftTree.from_drafts(int(state.context[state.n - 1]), drafts)
-        state.tree = tree
+        state.tree = DraftTree.from_drafts(int(state.context[state.n - 1]), drafts)
         state.draft_seconds = clock(self.device) - started
+
+    def _fit_budget(self, decoding: list[Running], chunk_rows: int) -> None:
+        """Cut every tree that takes the budget to the nodes that pay (`budget.batch_budget`);
+        the others' rows count as fixed. A drafter that sizes its own trees (hybrid) is cut
+        only when it shares the step with other sequences."""
+        trimmed = [state for state in decoding if state.request.budget and (
+            len(decoding) > 1 or not state.request.drafter.sizes_its_trees)]
+        fixed = chunk_rows + sum(len(state.tree) for state in decoding) - sum(
+            len(state.tree) - 1 for state in trimmed)
+        reaches = [self.estimates.reach(state.request.drafter.name, state.tree)
+                   for state in trimmed]
+        for state, kept in zip(trimmed, batch_budget(reaches, fixed, len(decoding), self.cost),
+                               strict=True):
+            if len(kept) < len(state.tree) - 1:
+                state.tree = restrict(state.tree, kept)
+
+    def _tree_segment(self, state: Running) -> Segment:
+        tree = state.tree
         linear = tree.is_linear()
         return Segment(state.cache, tree.tokens, state.n - 1,
                        depths=None if linear else tree.depths,
@@ -250,6 +281,7 @@ class BatchEngine:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
                                           state.generator)
         self._record_top2(state, output.logits[path])  # the rows that chose each token
+        self.estimates.observe(state.request.drafter.name, tree, path)
         # 4. Only the accepted path stays in the cache; its last state is the next query.
         self.forward.keep(state.cache, segment.start, path)
         state.query = output.hidden[path[-1]]

@@ -293,6 +293,9 @@ def supports_tree_attention(model: PreTrainedModel) -> bool:
     return ok
 
 
-def make_forward(model: PreTrainedModel) -> LlamaForward | HFForward:
+Forward = LlamaForward | HFForward  # what `make_forward` gives
+
+
+def make_forward(model: PreTrainedModel) -> Forward:
     """The batched Llama forward where the model is Llama-shaped, else transformers' own."""
     return LlamaForward(model) if LlamaForward.takes(model) else HFForward(model)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dresd.calibrate import cost_at, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
@@ -113,6 +114,7 @@ class Engine:
         max_queue: int = 64,
         on_finished: Callable[[list[int], GenerationResult], None] | None = None,
         max_batch_size: int = 16,
+        budget: bool = True,
     ) -> None:
         self.target = target
         # (method, datastore name or None) -> the drafter built from the command line's options
@@ -122,6 +124,13 @@ class Engine:
         self.datastores = datastores  # names, the first is the default
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.max_batch_size = max_batch_size  # requests running in one batch at most
+        # Each step's trees cut to what pays for its rows in the whole batch's forward, priced
+        # by this machine's verify-cost curve (decoding/budget.py); off: trees as drafted.
+        self.budget = budget
+        self.cost = None
+        if budget:
+            curve = load_or_measure(target)
+            self.cost = lambda rows: cost_at(curve, rows)
         self.running = 0  # requests in the batch now
         self.batch_waiting = 0  # admitted to the loop, waiting for room in the batch
         self._worker: threading.Thread | None = None
@@ -212,7 +221,8 @@ class Engine:
         settings = job.plan.settings
         return Request(
             prompt=job.prompt_ids,
-            drafter=job.plan.drafter or NoDrafter(),
+            # its own fork: sequences side by side keep their own per-generation state
+            drafter=job.plan.drafter.fork() if job.plan.drafter else NoDrafter(),
             max_new_tokens=settings.max_new_tokens,
             sampling=settings.sampling,
             eos_token_ids=self.target.eos_token_ids,
@@ -220,10 +230,15 @@ class Engine:
             tokenizer=self.target.tokenizer,
             max_length=self.target.max_length,
             on_tokens=job.on_tokens,
+            budget=self.budget,
         )
 
+    def batch(self) -> BatchEngine:
+        return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,
+                           cost=self.cost)
+
     def _work(self) -> None:
-        batch = BatchEngine(self.target.model, max_batch_size=self.max_batch_size)
+        batch = self.batch()
         jobs: dict[int, tuple[Running, Job]] = {}  # id(state) -> (state, job)
         while True:
             # 1. Take what was submitted while the batch has room (the rest waits in the
@@ -260,7 +275,7 @@ class Engine:
                     batch.cancel(state)
                     job.post("error", err)
                 jobs.clear()
-                batch = BatchEngine(self.target.model, max_batch_size=self.max_batch_size)
+                batch = self.batch()
                 finished = []
             self.running, self.batch_waiting = len(batch.running), len(batch.waiting)
             for state in finished:
