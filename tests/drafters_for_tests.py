@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(Drafter):
     """Random drafts of random lengths, often sharing prefixes: wide, deep, mostly wrong trees."""
 
     name = "random"
@@ -30,7 +30,7 @@ class RandomTreeDrafter:
         return drafts
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts the model's own future output (known from a reference run), so long and full-draft
     acceptances happen; `corrupt` spoils one token of some drafts, a decoy draft competes, and
     `draft_len` may exceed what is left to generate."""
@@ -57,7 +57,7 @@ class OracleDrafter:
         return drafts
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Always proposes the same drafts (e.g. the empty draft, or a very long one)."""
 
     name = "fixed"

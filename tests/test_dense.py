@@ -105,7 +105,7 @@ def test_first_draft_is_the_stored_continuation(store, request, default_target, 
     assert tokenizer.decode(continuation).startswith(response[:20])
     with torch.inference_mode():
         state = model.base_model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0, -1]
-    drafter = DenseDrafter(str(datastore), len_drafts=10)
+    drafter = DenseDrafter(str(datastore), draft_len=10)
     context = DraftContext(np.array(prompt_ids + continuation[:1]), state, max_draft_len=64)
     drafts = drafter.propose(context)
     assert drafts[0] == continuation[1:11]

@@ -23,10 +23,11 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
 from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.decoding.drafter import DraftContext
+from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.drafters.hybrid import (
     AcceptanceTable,
     CandidateTree,
+    Cell,
     HybridDrafter,
     LastStep,
     SourceLedger,
@@ -45,14 +46,14 @@ def test_cost_curve_interpolates_and_extrapolates():
 
 def test_table_moves_from_its_prior_to_the_observed_rate():
     table = AcceptanceTable(prior_strength=4.0)
-    cell = (("pld",), 0, 1, True, -1)
+    cell = Cell(("pld",), 0, 1, True, -1)
     prior = table.probability(cell)
     # Before any observation: agreement between sources and neighbours raises the estimate,
     # and a sibling's second choice is less likely than its first; so does the share of a
     # suffix node's parent occurrences that continue with it.
-    assert table.probability((("dresd", "pld"), 3, 1, True, -1)) > prior
-    assert table.probability((("pld",), 0, 1, False, -1)) < prior
-    shares = [table.probability((("suffix",), 0, 1, True, bucket)) for bucket in (0, 1, 2)]
+    assert table.probability(Cell(("dresd", "pld"), 3, 1, True, -1)) > prior
+    assert table.probability(Cell(("pld",), 0, 1, False, -1)) < prior
+    shares = [table.probability(Cell(("suffix",), 0, 1, True, bucket)) for bucket in (0, 1, 2)]
     assert shares == sorted(set(shares))
     for accepted in [True] * 90 + [False] * 10:
         table.observe(cell, accepted)
@@ -61,7 +62,7 @@ def test_table_moves_from_its_prior_to_the_observed_rate():
 
 def test_a_fitted_prior_replaces_the_guess(tmp_path):
     fitted = AcceptanceTable()
-    often, rare = (("suffix",), 0, 2, True, 2), (("rest",), 0, 1, False, -1)
+    often, rare = Cell(("suffix",), 0, 2, True, 2), Cell(("rest",), 0, 1, False, -1)
     for accepted in [True] * 27 + [False] * 3:
         fitted.observe(often, accepted)
     fitted.observe(rare, True)  # tried once: too few to fit, left out
@@ -105,7 +106,7 @@ def test_suffix_count_shares_are_a_feature_of_the_nodes_suffix_proposes():
     one = tree.children[0][1]
     two, four = tree.children[one][2], tree.children[one][4]
     three = tree.children[two][3]
-    assert [tree.cell(v, True)[4] for v in (one, two, three, four)] == [2, 1, 0, -1]
+    assert [tree.cell(v, True).share for v in (one, two, three, four)] == [2, 1, 0, -1]
 
 
 @pytest.mark.parametrize(("reach", "curve", "expected"), [
@@ -292,7 +293,7 @@ class ManualClock:
         return self.now
 
 
-class SlowGuesser:
+class SlowGuesser(Drafter):
     """A source that takes 10 ms on `clock` and proposes a token the model never emits (the
     other sources take no time on it)."""
 

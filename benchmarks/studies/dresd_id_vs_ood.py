@@ -77,7 +77,7 @@ def main() -> int:
                    # A smaller tree: on a CPU a verify forward costs about its token count.
                    "dresd-id-3x6": MethodRunner(target, "dresd", settings,
                                                 datastore=str(stores["id"]), num_drafts=3,
-                                                len_drafts=6)}
+                                                draft_len=6)}
         questions = [r["question"] for r in read_jsonl(gsm8k / "test.jsonl")[: args.eval]]
         warmup = encode_prompt(target.tokenizer, "Hello")
         for runner in runners.values():

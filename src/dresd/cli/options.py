@@ -206,7 +206,7 @@ def load_tokenizer_target(model: str) -> Target:
 def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]) -> dict:
     """Every drafter option given on the command line; each drafter takes those it knows."""
     options = dict(max_ngram=args.max_ngram, min_ngram=args.min_ngram, draft_len=args.draft_len,
-                   len_drafts=args.draft_len, num_drafts=args.num_drafts, k=args.k,
+                   num_drafts=args.num_drafts, k=args.k,
                    datastore=str(args.datastore) if args.datastore else None,
                    max_suffix=args.max_suffix, min_suffix=args.min_suffix,
                    max_matches=args.max_matches, max_tree_nodes=args.max_tree_nodes,

@@ -8,11 +8,12 @@ first step, the prefill) computed already, so drafting costs no forward. Then:
     key = transform(query)                       z-score, PCA, L2 norm (as the stored keys)
     ids = the k nearest stored keys              inner product = cosine
     keep entry e if value(e)[0] == bonus token   its context predicted the same next token
-    draft(e) = value(e)[1 : 1 + len_drafts]      what followed it in the corpus
+    draft(e) = value(e)[1 : 1 + draft_len]       what followed it in the corpus
 
 The paper's shape (the default): drafts keep the ANN rank order; identical drafts are kept once
 (the token tree would merge them anyway, and a distinct one is worth more), and at most
-`num_drafts` are returned, so the tree has up to num_drafts x len_drafts nodes.
+`num_drafts` are returned, so the tree has up to num_drafts x draft_len nodes (the paper
+calls draft_len `len_drafts`).
 
 With a node budget (`max_tree_nodes` = N) the tree is picked as REST picks its own: every kept
 entry's draft is counted and the N most frequent prefixes are kept (`drafters/prefixes.py`).
@@ -59,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dresd.datastore.dense import DenseDatastore
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.errors import UserError
@@ -79,11 +80,11 @@ def distinct_drafts(every: list[np.ndarray], num_drafts: int) -> list[Draft]:
 
 
 @dataclass
-class DenseDrafter:
+class DenseDrafter(Drafter):
     datastore: str  # folder of a dense datastore built for the target
     k: int = 200  # neighbours searched (paper: 50; 200 measured better, see above)
     num_drafts: int = 10  # drafts per step at most (paper: 10)
-    len_drafts: int = 10  # tokens per draft at most (paper: 10)
+    draft_len: int = 10  # tokens per draft at most (the paper's len_drafts: 10)
     # None: the paper's shape (num_drafts drafts in ANN rank order); N: a tree of the N most
     # frequent prefixes of every kept entry's draft (num_drafts then does not apply)
     max_tree_nodes: int | None = None
@@ -95,14 +96,24 @@ class DenseDrafter:
     learned: LearnedDenseStore | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.num_drafts < 1 or self.len_drafts < 1:
-            raise UserError("DReSD needs k, num_drafts and len_drafts >= 1")
+        if self.k < 1 or self.num_drafts < 1 or self.draft_len < 1:
+            raise UserError("DReSD needs k, num_drafts and draft_len >= 1")
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
             raise UserError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
         self.store = DenseDatastore(self.datastore)
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
+
+    # The option's old name. serve/engine.py still sets it on a request's variant of the
+    # drafter; remove this once it sets draft_len.
+    @property
+    def len_drafts(self) -> int:
+        return self.draft_len
+
+    @len_drafts.setter
+    def len_drafts(self, value: int) -> None:
+        self.draft_len = value
 
     def check_target(self, target: Target) -> None:
         """Refuse a datastore built by another model or tokenizer (the runner calls this)."""
@@ -126,7 +137,7 @@ class DenseDrafter:
         return [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
 
     def propose(self, context: DraftContext) -> list[Draft]:
-        draft_len = min(self.len_drafts, context.max_draft_len)
+        draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
         every = self.neighbour_drafts(context, draft_len)

@@ -53,13 +53,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from dresd.calibrate import cached_step_seconds, cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter
@@ -67,8 +68,15 @@ from dresd.drafters.suffix import SuffixDrafter
 from dresd.errors import UserError
 from dresd.models import Target
 
-# (sources, support bucket, depth bucket, first among its siblings, suffix share bucket)
-Cell = tuple[tuple[str, ...], int, int, bool, int]
+
+class Cell(NamedTuple):
+    """The features a node's acceptance is learned by: nodes of one cell share a posterior."""
+
+    sources: tuple[str, ...]  # the sources that propose the node, sorted
+    support: int  # dense neighbours agreeing on it, bucketed (`support_bucket`)
+    depth: int  # its depth in the tree, 4 for 4 and deeper
+    first: bool  # whether it is the child most candidates pass through among its siblings
+    share: int  # SuffixDecoding's count share, bucketed (`share_bucket`); -1: not a suffix node
 
 
 def support_bucket(neighbours: int) -> int:
@@ -86,10 +94,9 @@ def prior_mean(cell: Cell) -> float:
     with every other source and with agreeing neighbours, less with depth, and half as much
     for a node that is not the first choice among its siblings; SuffixDecoding's share moves it
     by 0.1 a bucket."""
-    sources, support, depth, first, share = cell
-    guess = 0.25 + 0.15 * (len(sources) - 1) + 0.1 * max(support - 1, 0)
-    guess += 0.1 * (share - 1) if share >= 0 else 0.0
-    return min(0.85, guess) * 0.9 ** (depth - 1) * (1.0 if first else 0.5)
+    guess = 0.25 + 0.15 * (len(cell.sources) - 1) + 0.1 * max(cell.support - 1, 0)
+    guess += 0.1 * (cell.share - 1) if cell.share >= 0 else 0.0
+    return min(0.85, guess) * 0.9 ** (cell.depth - 1) * (1.0 if cell.first else 0.5)
 
 
 @dataclass
@@ -119,17 +126,15 @@ class AcceptanceTable:
 
     def save(self, path: str | Path, min_tried: int = 20) -> None:
         """The observed rate of every cell tried at least `min_tried` times, as JSON."""
-        rows = [{"sources": list(c[0]), "support": c[1], "depth": c[2], "first": c[3],
-                 "share": c[4], "accepted": a, "tried": t}
-                for c, (a, t) in sorted(self.counts.items()) if t >= min_tried]
+        rows = [{**cell._asdict(), "sources": list(cell.sources), "accepted": a, "tried": t}
+                for cell, (a, t) in sorted(self.counts.items()) if t >= min_tried]
         Path(path).write_text(json.dumps({"cells": rows}, indent=1) + "\n")
 
     def load_prior(self, path: str | Path) -> None:
         """Take the rates a `save` wrote as this table's prior means."""
         rows = json.loads(Path(path).read_text())["cells"]
-        self.fitted = {(tuple(r["sources"]), r["support"], r["depth"], r["first"],
-                        r.get("share", -1)):
-                       r["accepted"] / r["tried"] for r in rows}
+        self.fitted = {Cell(tuple(r["sources"]), r["support"], r["depth"], r["first"],
+                            r.get("share", -1)): r["accepted"] / r["tried"] for r in rows}
 
 
 @dataclass
@@ -178,8 +183,8 @@ class CandidateTree:
         return max(kids, key=lambda v: (self.votes[v], -v)) if kids else -1
 
     def cell(self, node: int, first: bool) -> Cell:
-        return (self.sources[node], support_bucket(self.support[node]),
-                min(self.depths[node], 4), first, self.shares[node])
+        return Cell(self.sources[node], support_bucket(self.support[node]),
+                    min(self.depths[node], 4), first, self.shares[node])
 
     def reach_probabilities(self, table: AcceptanceTable) -> list[float]:
         """P(v) for every node: the probability that verification reaches it (root: 1)."""
@@ -309,7 +314,7 @@ def best_budget(reach: list[float], costs: np.ndarray) -> int:
 
 
 @dataclass
-class HybridDrafter:
+class HybridDrafter(Drafter):
     datastore: str | Path | None = None  # dense and/or sparse parts add DReSD and REST
     draft_len: int = 10  # tokens per candidate at most
     max_tree_nodes: int = 64  # candidates considered at most (the most probable)
@@ -358,14 +363,13 @@ class HybridDrafter:
                                                    max_tree_nodes=16, learn=stores_learn)
             if "dense" in parts:
                 self.sources["dresd"] = DenseDrafter(self.datastore, k=self.neighbours,
-                                                     len_drafts=self.draft_len,
+                                                     draft_len=self.draft_len,
                                                      learn=stores_learn)
 
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""
         for source in self.sources.values():
-            if hasattr(source, "check_target"):
-                source.check_target(target)
+            source.check_target(target)
         if self.cost is None:
             self.cost = load_or_measure(target)
             if self.step_seconds is None:
@@ -422,8 +426,7 @@ class HybridDrafter:
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: the sources that learn from outputs (see `learn`) take it."""
         for source in self.sources.values():
-            if hasattr(source, "observe"):
-                source.observe(prompt, output, hidden_states)
+            source.observe(prompt, output, hidden_states)
 
     def _learn(self, token_ids: np.ndarray) -> bool:
         """Score the previous step's candidates against the tokens that step emitted (the

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
 @dataclass
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     max_ngram: int = 3  # longest suffix of the context to look up
     min_ngram: int = 1  # shortest suffix worth a draft
     draft_len: int = 10  # tokens per draft

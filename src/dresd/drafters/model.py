@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
 @dataclass
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     model: PreTrainedModel | None = None  # the small model; shares the target's vocabulary
     draft_len: int = 5  # tokens per draft: one small-model forward each
     name: str = "draft"

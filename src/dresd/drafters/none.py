@@ -6,10 +6,10 @@ target forward.
 
 from __future__ import annotations
 
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     name = "none"
 
     def propose(self, context: DraftContext) -> list[Draft]:

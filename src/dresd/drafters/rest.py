@@ -43,7 +43,7 @@ import numpy as np
 from dresd.datastore.format import Manifest
 from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import check_sparse_target, open_sparse_datastore
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.drafters.learned import LearnedSparseStore, merged_prefix_drafts
 from dresd.drafters.prefixes import most_frequent_prefixes
 from dresd.errors import UserError
@@ -51,7 +51,7 @@ from dresd.models import Target
 
 
 @dataclass
-class RestDrafter:
+class RestDrafter(Drafter):
     datastore: SparseIndex | str | Path | None = None  # the index, or a datastore folder
     max_suffix: int = 16  # longest context suffix looked up
     min_suffix: int = 2  # shortest context suffix looked up

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dresd.decoding.drafter import Draft, DraftContext
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
@@ -251,7 +251,7 @@ def speculation_budget(match_len: int, factor: float, offset: float, max_nodes: 
 
 
 @dataclass
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     max_depth: int = 24  # D: the tries' depth; a match of m tokens drafts at most D - m deep
     max_tree_nodes: int = 32  # tokens per speculation tree at most (vLLM's num_speculative_tokens)
     max_spec_factor: float = 1.0  # budget = floor(factor * match length + offset) tokens
