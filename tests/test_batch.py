@@ -31,9 +31,10 @@ def mixed_drafter(index: int, prompt: list[int], reference: list[int]):
 
 
 def run_batched(model, requests: list[Request], arrivals: list[int], max_batch_size: int,
-                prefill_chunk: int = 512) -> list:
+                prefill_chunk: int = 512, cost=None) -> list:
     """Add request i at step arrivals[i]; step until all are done."""
-    engine = BatchEngine(model, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk)
+    engine = BatchEngine(model, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+                         cost=cost)
     states = [None] * len(requests)
     step = 0
     while step <= max(arrivals) or engine.busy():

@@ -1,0 +1,118 @@
+"""Draft budgets priced by the whole batch's forward: what they keep, and that they change no
+output."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import TINY_VOCAB
+from drafters_for_tests import OracleDrafter, RandomTreeDrafter
+from test_batch import run_batched
+from test_lossless_greedy import reference_greedy, varied_prompts
+
+from dresd.decoding.batch import Request
+from dresd.decoding.budget import AcceptanceEstimates, batch_budget, restrict
+from dresd.decoding.tree import DraftTree
+
+
+def random_tree(rng: np.random.Generator) -> DraftTree:
+    drafts = [rng.integers(0, 5, int(rng.integers(1, 6))).tolist()
+              for _ in range(int(rng.integers(1, 5)))]
+    return DraftTree.from_drafts(0, drafts)
+
+
+def test_a_flat_cost_keeps_everything_and_a_steep_one_nothing():
+    rng = np.random.default_rng(0)
+    trees = [random_tree(rng) for _ in range(4)]
+    estimates = AcceptanceEstimates()
+    reaches = [estimates.reach("m", tree) for tree in trees]
+    kept = batch_budget(reaches, fixed_rows=4, decoding=4, cost=lambda rows: 1.0)
+    assert [len(k) for k in kept] == [len(tree) - 1 for tree in trees]
+    # every row costs a whole step: no draft with reach < 1 pays for its row
+    kept = batch_budget(reaches, fixed_rows=4, decoding=4, cost=lambda rows: rows / 4)
+    assert all(not k for k in kept)
+
+
+def test_the_budget_keeps_root_paths_and_the_best_ratio():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        trees = [random_tree(rng) for _ in range(int(rng.integers(1, 5)))]
+        reaches = [[1.0] + rng.uniform(0, 1, len(tree) - 1).tolist() for tree in trees]
+        for tree, reach in zip(trees, reaches, strict=True):  # a child never beats its parent
+            for node in range(1, len(tree)):
+                reach[node] = min(reach[node], reach[tree.parents[node]])
+        slope = rng.uniform(0.01, 0.5)
+
+        def cost(rows: int, slope: float = slope) -> float:
+            return 1.0 + slope * max(0, rows - 3)
+
+        fixed = len(trees)
+        kept = batch_budget(reaches, fixed, len(trees), cost)
+        for tree, nodes in zip(trees, kept, strict=True):
+            assert all(tree.parents[node] == 0 or tree.parents[node] in nodes for node in nodes)
+        chosen = sum(len(nodes) for nodes in kept)
+        ratio = ((len(trees) + sum(r[v] for r, nodes in zip(reaches, kept, strict=True)
+                                   for v in nodes)) / cost(fixed + chosen))
+        # no single node added or removed does better
+        everything = [(r[v], v, i) for i, r in enumerate(reaches) for v in range(1, len(r))]
+        best_left = max((r for r, v, i in everything if v not in kept[i]), default=None)
+        if best_left is not None:
+            gained = (len(trees) + sum(r[v] for r, nodes in zip(reaches, kept, strict=True)
+                                       for v in nodes) + best_left) / cost(fixed + chosen + 1)
+            assert gained <= ratio + 1e-12
+
+
+def test_restrict_keeps_the_paths():
+    tree = DraftTree.from_drafts(7, [[1, 2, 3], [1, 4], [5, 6]])
+    pruned = restrict(tree, {1, 2, 4})  # 1 -> 2, 1 -> 4
+    assert pruned.tokens == [7, 1, 2, 4]
+    assert pruned.parents == [-1, 0, 1, 1]
+    assert pruned.depths == [0, 1, 2, 2]
+    assert pruned.children == [{1: 1}, {2: 2, 4: 3}, {}, {}]
+
+
+def test_estimates_learn_what_is_accepted():
+    estimates = AcceptanceEstimates()
+    tree = DraftTree.from_drafts(0, [[1, 2], [3]])
+    before = estimates.reach("m", tree)
+    for _ in range(20):
+        estimates.observe("m", tree, [0, 1, 2])  # the first draft is always right
+    after = estimates.reach("m", tree)
+    assert after[1] > before[1] and after[2] > before[2]
+    assert after[3] < before[3]  # the second sibling never is
+    assert estimates.reach("other", tree) == before  # per method
+
+
+def test_budgeted_batches_are_lossless(tiny):
+    """With a steep cost curve many trees are cut or dropped mid-run; output is unchanged."""
+    rng = np.random.default_rng(2)
+    prompts = varied_prompts(10, seed=11)
+    references = [reference_greedy(tiny, p, 30) for p in prompts]
+
+    def drafter(i: int, prompt: list[int], reference: list[int]):
+        if i % 2:
+            return RandomTreeDrafter(TINY_VOCAB, seed=i)
+        return OracleDrafter(len(prompt), reference, draft_len=10, corrupt=0.5, seed=i,
+                             vocab_size=TINY_VOCAB)
+
+    requests = [Request(prompt=p, drafter=drafter(i, p, ref), max_new_tokens=30)
+                for i, (p, ref) in enumerate(zip(prompts, references, strict=True))]
+    arrivals = rng.integers(0, 10, len(prompts)).tolist()
+    results = run_batched(tiny, requests, arrivals, max_batch_size=6,
+                          cost=lambda rows: 1.0 + 0.05 * rows)
+    for result, reference in zip(results, references, strict=True):
+        assert result.token_ids == reference
+    drafted = [step.num_drafted for result in results for step in result.steps]
+    assert 0 in drafted and max(drafted) > 0  # some steps cut to nothing, others kept nodes
+
+
+def test_a_cost_that_never_pays_is_plain_decoding(tiny):
+    prompt = varied_prompts(3, seed=12)[0]
+    request = Request(prompt=prompt, drafter=RandomTreeDrafter(TINY_VOCAB, seed=1),
+                      max_new_tokens=20)
+    result = run_batched(tiny, [request], [0], max_batch_size=1,
+                         cost=lambda rows: float(rows))[0]
+    assert result.token_ids == reference_greedy(tiny, prompt, 20)
+    assert all(step.num_drafted == 0 for step in result.steps)
+    torch.testing.assert_close(torch.tensor(len(result.steps) + 1.0),
+                               torch.tensor(float(len(result.token_ids))))
