@@ -20,6 +20,7 @@ from dresd.errors import DresdError
 
 # The subcommands in the order `dresd --help` lists them.
 COMMANDS = [generate, bench, serve, calibrate, fetch_model, build, corpus, inspect]
+DEBUG_HELP = "on an internal error, print the whole traceback"
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,8 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_debug_option(commands)
     return parser
 
-
-DEBUG_HELP = "on an internal error, print the whole traceback"
 
 
 def add_debug_option(commands: argparse._SubParsersAction) -> None:
