@@ -104,3 +104,36 @@ def test_reports_name_the_attention(default_target_bf16):
     small_heads = tiny_model().to(torch.bfloat16)  # head size 16
     assert fastpath.use_invariant_attention(small_heads)
     assert fastpath.attention_name(small_heads) == "invariant (float64)"
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_call_equals_one_call_per_sequence(threads):
+    """`attention_batch` over sequences of different lengths (tree masks, boolean masks,
+    causal chunks, a cache with room to spare) gives every row bit for bit what `attention`
+    gives it one sequence at a time, at 1 and 2 threads."""
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim = 9, 3, 64
+    cases = [(1, 1, "causal"), (16, 300, "additive"), (5, 70, "bool"), (1, 450, "causal"),
+             (33, 97, "additive"), (40, 40, "causal")]
+    queries, keys, values, masks, bounds = [], [], [], [], [0]
+    for rows, length, kind in cases:
+        query, key, value, visible = random_case(generator, heads, kv_heads, rows, length, dim)
+        # a preallocated cache: room past `length`, heads `capacity` rows apart
+        capacity = length + 13
+        cache = torch.zeros(2, 1, kv_heads, capacity, dim, dtype=torch.bfloat16)
+        cache[0, :, :, :length], cache[1, :, :, :length] = key, value
+        queries.append(query)
+        keys.append(cache[0, :, :, :length])
+        values.append(cache[1, :, :, :length])
+        masks.append({"causal": None, "additive": additive(visible),
+                      "bool": visible[None, None]}[kind])
+        bounds.append(bounds[-1] + rows)
+    # [total_rows, heads, dim], the batched forward's layout
+    stacked = torch.cat([q[0].transpose(0, 1) for q in queries])
+    batch = cpu_attention.attention_batch(stacked, bounds, keys, values, masks, 0.125,
+                                          threads=threads)
+    for s, (query, key, value, mask) in enumerate(zip(queries, keys, values, masks,
+                                                                strict=True)):
+        alone = cpu_attention.attention(query, key, value, mask, 0.125)[0]
+        assert torch.equal(batch[bounds[s]:bounds[s + 1]], alone), s

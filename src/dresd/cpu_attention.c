@@ -21,6 +21,9 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <string.h>
 
 #define LANES 16                /* floats per vector (one AVX-512 register) */
@@ -153,6 +156,86 @@ static void weigh_values(const float *const weights[ROWS], const float *values, 
     }
 }
 
+/* keys_t[d][j] = float(k[j][d]) for j < length, 0 up to padded: the keys transposed so that
+ * score_rows' lanes run over keys. Exact data movement (bf16 -> float32 is exact), so how it is
+ * done changes no result. With AVX-512, 16 keys at a time by a gather of 32-bit words: the word
+ * at k[j][d] holds dims d (low half) and d + 1 (high half) of key j. */
+static void transpose_keys(const uint16_t *k, int length, int padded, int dim, float *keys_t) {
+#ifdef __AVX512F__
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i words = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(dim / 2));
+    for (int j = 0; j < padded; j += LANES) {
+        int present = length - j < 0 ? 0 : (length - j > LANES ? LANES : length - j);
+        __mmask16 mask = (__mmask16)((1u << present) - 1);
+        for (int d = 0; d < dim; d += 2) {
+            __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, words,
+                                                       k + (int64_t)j * dim + d, 4);
+            _mm512_storeu_si512(keys_t + (size_t)d * padded + j, _mm512_slli_epi32(pair, 16));
+            _mm512_storeu_si512(keys_t + (size_t)(d + 1) * padded + j,
+                                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+    }
+#else
+    for (int d = 0; d < dim; d++) {
+        float *row = keys_t + (size_t)d * padded;
+        for (int j = 0; j < length; j++) row[j] = bf16_to_float(k[(int64_t)j * dim + d]);
+        for (int j = length; j < padded; j++) row[j] = 0.0f;
+    }
+#endif
+}
+
+/* Floats of scratch that one kv head of `length` keys needs (attend_kv_head's buffers). */
+static size_t scratch_floats(int length, int dim) {
+    size_t padded = (size_t)(length + BLOCK - 1) / BLOCK * BLOCK;
+    return (size_t)dim * padded + (size_t)length * dim + ROWS * (padded + dim);
+}
+
+/* One kv head g of one sequence: every query row of the heads that read it. Query row
+ * (head h, row r) at query + h * query_head_stride + r * query_row_stride; its output at
+ * out + r * out_row_stride + h * dim. Where these rows live changes no arithmetic. */
+static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
+                           int64_t query_row_stride, const uint16_t *k, const uint16_t *v,
+                           const uint16_t *mask, int64_t mask_stride, int g, int groups,
+                           int rows, int length, int dim, float scale, uint16_t *out,
+                           int64_t out_row_stride, float *scratch) {
+    int padded = (length + BLOCK - 1) / BLOCK * BLOCK;
+    float *keys_t = scratch, *values_f = keys_t + (size_t)dim * padded;
+    float *scores[ROWS], *query_f[ROWS];
+    for (int i = 0; i < ROWS; i++) {
+        scores[i] = values_f + (size_t)length * dim + (size_t)i * padded;
+        query_f[i] = scores[0] + (size_t)ROWS * padded + (size_t)i * dim;
+    }
+    transpose_keys(k, length, padded, dim, keys_t);
+    for (int64_t i = 0; i < (int64_t)length * dim; i++) values_f[i] = bf16_to_float(v[i]);
+    /* The kv head's query rows (head h, row r), ROWS at a time; a short last block is
+     * filled with zero queries whose results are dropped. */
+    int count = groups * rows;
+    for (int first = 0; first < count; first += ROWS) {
+        uint16_t *outs[ROWS] = {NULL};
+        for (int i = 0; i < ROWS; i++) {
+            memset(query_f[i], 0, (size_t)dim * sizeof(float));
+            if (first + i >= count) continue;
+            int h = g * groups + (first + i) / rows, r = (first + i) % rows;
+            const uint16_t *q = query + h * query_head_stride + r * query_row_stride;
+            for (int d = 0; d < dim; d++) query_f[i][d] = bf16_to_float(q[d]);
+            outs[i] = out + r * out_row_stride + (int64_t)h * dim;
+        }
+        score_rows((const float *const *)query_f, keys_t, padded, dim, scores);
+        for (int i = 0; i < ROWS; i++) {
+            int r = (first + i) % rows;
+            const uint16_t *row_mask = mask ? mask + (int64_t)r * mask_stride : NULL;
+            int visible_until = mask ? length : length - rows + r + 1;
+            if (outs[i] && weigh_row(scores[i], row_mask, length, padded, visible_until,
+                                     scale) != 0) {
+                memset(outs[i], 0, (size_t)dim * sizeof(uint16_t)); /* sees no key */
+                outs[i] = NULL;
+            }
+            if (!outs[i]) memset(scores[i], 0, (size_t)padded * sizeof(float));
+        }
+        weigh_values((const float *const *)scores, values_f, length, dim, outs);
+    }
+}
+
 /* query: heads x rows x dim; keys, values: kv_heads x length x dim (head stride given, rows
  * contiguous; dim a multiple of BLOCK); mask: rows x mask_stride additive bf16, the last
  * `length` columns used, or NULL for causal (row r sees keys up to length - rows + r);
@@ -162,52 +245,54 @@ int dresd_attention(const uint16_t *query, const uint16_t *keys, const uint16_t 
                     const uint16_t *mask, int64_t key_head_stride, int64_t value_head_stride,
                     int64_t mask_stride, int heads, int kv_heads, int rows, int length, int dim,
                     float scale, uint16_t *out) {
-    int groups = heads / kv_heads, padded = (length + BLOCK - 1) / BLOCK * BLOCK;
-    size_t floats = (size_t)dim * padded + (size_t)length * dim + ROWS * ((size_t)padded + dim);
-    float *scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    float *scratch = aligned_alloc(64, (scratch_floats(length, dim) * sizeof(float) + 63)
+                                       / 64 * 64);
     if (!scratch) return -1;
-    float *keys_t = scratch, *values_f = keys_t + (size_t)dim * padded;
-    float *scores[ROWS], *query_f[ROWS];
-    for (int i = 0; i < ROWS; i++) {
-        scores[i] = values_f + (size_t)length * dim + (size_t)i * padded;
-        query_f[i] = scores[0] + (size_t)ROWS * padded + (size_t)i * dim;
-    }
-    for (int g = 0; g < kv_heads; g++) {
-        const uint16_t *k = keys + g * key_head_stride, *v = values + g * value_head_stride;
-        for (int d = 0; d < dim; d++) {
-            float *row = keys_t + (size_t)d * padded;
-            for (int j = 0; j < length; j++) row[j] = bf16_to_float(k[(int64_t)j * dim + d]);
-            for (int j = length; j < padded; j++) row[j] = 0.0f;
-        }
-        for (int64_t i = 0; i < (int64_t)length * dim; i++) values_f[i] = bf16_to_float(v[i]);
-        /* The kv head's query rows (head h, row r), ROWS at a time; a short last block is
-         * filled with zero queries whose results are dropped. */
-        int count = groups * rows;
-        for (int first = 0; first < count; first += ROWS) {
-            uint16_t *outs[ROWS] = {NULL};
-            for (int i = 0; i < ROWS; i++) {
-                memset(query_f[i], 0, (size_t)dim * sizeof(float));
-                if (first + i >= count) continue;
-                int h = g * groups + (first + i) / rows, r = (first + i) % rows;
-                const uint16_t *q = query + ((int64_t)h * rows + r) * dim;
-                for (int d = 0; d < dim; d++) query_f[i][d] = bf16_to_float(q[d]);
-                outs[i] = out + ((int64_t)r * heads + h) * dim;
-            }
-            score_rows((const float *const *)query_f, keys_t, padded, dim, scores);
-            for (int i = 0; i < ROWS; i++) {
-                int r = (first + i) % rows;
-                const uint16_t *row_mask = mask ? mask + (int64_t)r * mask_stride : NULL;
-                int visible_until = mask ? length : length - rows + r + 1;
-                if (outs[i] && weigh_row(scores[i], row_mask, length, padded, visible_until,
-                                         scale) != 0) {
-                    memset(outs[i], 0, (size_t)dim * sizeof(uint16_t)); /* sees no key */
-                    outs[i] = NULL;
-                }
-                if (!outs[i]) memset(scores[i], 0, (size_t)padded * sizeof(float));
-            }
-            weigh_values((const float *const *)scores, values_f, length, dim, outs);
-        }
-    }
+    for (int g = 0; g < kv_heads; g++)
+        attend_kv_head(query, (int64_t)rows * dim, dim, keys + g * key_head_stride,
+                       values + g * value_head_stride, mask, mask_stride, g, heads / kv_heads,
+                       rows, length, dim, scale, out, (int64_t)heads * dim, scratch);
     free(scratch);
     return 0;
+}
+
+/* Many sequences' attention in one call, `threads` OpenMP threads sharing the (segment, kv
+ * head) pairs: each pair runs attend_kv_head exactly as dresd_attention does, so every row is
+ * bit for bit what dresd_attention gives it, whatever the threads or the other segments.
+ * query: total_rows x heads x dim, row stride query_row_stride, heads dim apart; segment s
+ * owns rows first[s] .. first[s] + rows[s] - 1 of query and of out (total_rows x heads x dim,
+ * contiguous). keys[s], values[s]: its kv_heads x lengths[s] x dim, head strides given;
+ * masks[s]: rows[s] x mask_strides[s] additive bf16 (last lengths[s] columns) or NULL (causal).
+ * Returns 0, or -1 when out of memory. */
+int dresd_attention_batch(int segments, const uint16_t *query, int64_t query_row_stride,
+                          const int *first, const int *rows, const uint16_t *const *keys,
+                          const uint16_t *const *values, const int64_t *key_head_strides,
+                          const int64_t *value_head_strides, const uint16_t *const *masks,
+                          const int64_t *mask_strides, const int *lengths, int heads,
+                          int kv_heads, int dim, float scale, uint16_t *out, int threads) {
+    int longest = 0, failed = 0;
+    for (int s = 0; s < segments; s++) longest = lengths[s] > longest ? lengths[s] : longest;
+    size_t bytes = (scratch_floats(longest, dim) * sizeof(float) + 63) / 64 * 64;
+    int items = segments * kv_heads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        float *scratch = aligned_alloc(64, bytes);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) {
+            int s = item / kv_heads, g = item % kv_heads;
+            if (!scratch || rows[s] == 0) continue;
+            const uint16_t *q = query + (int64_t)first[s] * query_row_stride;
+            attend_kv_head(q, dim, query_row_stride, keys[s] + g * key_head_strides[s],
+                           values[s] + g * value_head_strides[s], masks[s], mask_strides[s], g,
+                           heads / kv_heads, rows[s], lengths[s], dim, scale,
+                           out + (int64_t)first[s] * heads * dim, (int64_t)heads * dim,
+                           scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
 }

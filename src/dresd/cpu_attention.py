@@ -26,7 +26,9 @@ from dresd import kernels
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # No -ffast-math: the kernel's invariance rests on the IEEE order of its sums. Fused
 # multiply-adds are allowed: every row runs the same instructions (the kernel's header).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC")
+# -fopenmp: `attention_batch`'s threads (torch's own libgomp, already loaded, serves them).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11", "-shared", "-fPIC",
+         "-fopenmp")
 
 
 @functools.cache
@@ -40,6 +42,10 @@ def kernel() -> ctypes.CDLL | None:
     function.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64,
                          i32, i32, i32, i32, i32, ctypes.c_float, pointer]
     function.restype = i32
+    batch = library.dresd_attention_batch
+    batch.argtypes = [i32, pointer, i64, pointer, pointer, pointer, pointer, pointer, pointer,
+                      pointer, pointer, pointer, i32, i32, i32, ctypes.c_float, pointer, i32]
+    batch.restype = i32
     return library
 
 
@@ -60,6 +66,19 @@ def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
             and takes(query.dtype, query.shape[-1]))
 
 
+def _kernel_mask(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
+    """A [1, 1, rows, >= length] mask as the kernel reads it: bf16 additive rows (a boolean
+    True: may attend), with the address of its last `length` columns and its row stride."""
+    rows_mask = mask[0, 0]
+    if rows_mask.dtype == torch.bool:
+        rows_mask = torch.zeros(rows_mask.shape, dtype=torch.bfloat16).masked_fill_(
+            ~rows_mask, -torch.inf)
+    elif rows_mask.dtype != torch.bfloat16 or rows_mask.stride(-1) != 1:
+        rows_mask = rows_mask.to(torch.bfloat16).contiguous()  # 0 and -inf-ish stay so
+    pointer = rows_mask.data_ptr() + (rows_mask.shape[1] - length) * 2
+    return rows_mask, pointer, rows_mask.stride(0)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for query [1, heads, rows, dim] and key, value
@@ -74,20 +93,59 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     value = value if value.stride(-2) == dim and value.stride(-1) == 1 else value.contiguous()
     out = torch.empty(1, rows, heads, dim, dtype=query.dtype)
     mask_pointer, mask_stride = None, 0
-    if mask is not None:
-        rows_mask = mask[0, 0]
-        if rows_mask.dtype == torch.bool:  # True: may attend
-            rows_mask = torch.zeros(rows_mask.shape, dtype=torch.bfloat16).masked_fill_(
-                ~rows_mask, -torch.inf)
-        elif rows_mask.dtype != torch.bfloat16 or rows_mask.stride(-1) != 1:
-            rows_mask = rows_mask.to(torch.bfloat16).contiguous()  # 0 and -inf-ish stay so
-        mask_stride = rows_mask.stride(0)
-        # its last `length` columns: the keys this layer holds
-        mask_pointer = rows_mask.data_ptr() + (rows_mask.shape[1] - length) * 2
+    if mask is not None:  # its last `length` columns: the keys this layer holds
+        rows_mask, mask_pointer, mask_stride = _kernel_mask(mask, length)
     status = kernel().dresd_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), mask_pointer, key.stride(1),
         value.stride(1), mask_stride, heads, kv_heads, rows, length, dim, scale,
         out.data_ptr())
     if status != 0:
         raise MemoryError("dresd_attention: out of memory")
+    return out
+
+
+def attention_batch(query: torch.Tensor, bounds: list[int], keys: list[torch.Tensor],
+                    values: list[torch.Tensor], masks: list[torch.Tensor | None], scale: float,
+                    threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every segment's attention in one kernel call, threads sharing the (segment, kv head)
+    pairs; each row bit for bit what `attention` gives it.
+
+    query: [total_rows, heads, dim] bf16 (the layout a batched forward's projection gives, head
+    rows contiguous); segment s owns rows bounds[s]:bounds[s + 1]. keys[s], values[s]: its
+    [1, kv_heads, length_s, dim] (rows contiguous, e.g. a preallocated cache's view); masks[s]:
+    as `attention` takes it, or None (causal). threads: default `torch.get_num_threads()`.
+    Returns (or fills) out [total_rows, heads, dim]."""
+    total, heads, dim = query.shape
+    if query.stride(-1) != 1 or query.stride(-2) != dim:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(total, heads, dim, dtype=query.dtype)
+    count = len(keys)
+    kv_heads = keys[0].shape[1] if count else 1
+    first, rows, lengths = (ctypes.c_int * count)(), (ctypes.c_int * count)(), (
+        ctypes.c_int * count)()
+    key_pointers, value_pointers, mask_pointers = ((ctypes.c_void_p * count)() for _ in range(3))
+    key_strides, value_strides, mask_strides = ((ctypes.c_int64 * count)() for _ in range(3))
+    held = []  # converted masks, alive until the call returns
+    for s, (key, value, mask) in enumerate(zip(keys, values, masks, strict=True)):
+        length = key.shape[2]
+        if key.stride(-1) != 1 or key.stride(-2) != dim:
+            raise ValueError("attention_batch: key rows must be contiguous")
+        if value.stride(-1) != 1 or value.stride(-2) != dim:
+            value = value.contiguous()
+            held.append(value)
+        first[s], rows[s], lengths[s] = bounds[s], bounds[s + 1] - bounds[s], length
+        key_pointers[s], value_pointers[s] = key.data_ptr(), value.data_ptr()
+        key_strides[s], value_strides[s] = key.stride(1), value.stride(1)
+        if mask is not None:
+            if mask.shape[:2] != (1, 1):
+                raise ValueError(f"expected a mask shared by all heads, got {tuple(mask.shape)}")
+            rows_mask, mask_pointers[s], mask_strides[s] = _kernel_mask(mask, length)
+            held.append(rows_mask)
+    status = kernel().dresd_attention_batch(
+        count, query.data_ptr(), query.stride(0), first, rows, key_pointers, value_pointers,
+        key_strides, value_strides, mask_pointers, mask_strides, lengths, heads, kv_heads, dim,
+        scale, out.data_ptr(), threads or torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("dresd_attention_batch: out of memory")
     return out
