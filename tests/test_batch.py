@@ -189,3 +189,31 @@ def test_bf16_batched_is_bit_for_bit_single_stream(default_target_bf16):
     results = run_batched(target.model, [request(p) for p in prompts], [0, 0, 1, 4, 6],
                           max_batch_size=4, prefill_chunk=16)
     assert [result.token_ids for result in results] == alone
+
+
+def test_forks_share_what_is_learned_and_keep_their_own_request_state():
+    from dresd.drafters import HybridDrafter, SuffixDrafter
+
+    suffix = SuffixDrafter()
+    fork = suffix.fork()
+    fork.observe([1, 2], [3, 4, 5, 3, 4, 6])
+    assert fork.global_trie is suffix.global_trie and suffix.cached  # learned for all
+    assert fork.request_trie is not suffix.request_trie
+    hybrid = HybridDrafter(cost={1: 1.0, 64: 1.0})
+    forked = hybrid.fork()
+    assert forked.table is hybrid.table
+    assert forked.sources["suffix"].global_trie is hybrid.sources["suffix"].global_trie
+    assert forked.sources["suffix"].request_trie is not hybrid.sources["suffix"].request_trie
+    assert forked.sizes_its_trees and not suffix.sizes_its_trees
+
+
+def test_forked_drafters_in_one_batch_are_lossless(tiny):
+    from dresd.drafters import HybridDrafter, SuffixDrafter
+
+    prompts = varied_prompts(8, seed=13)
+    references = [reference_greedy(tiny, p, 30) for p in prompts]
+    bases = [SuffixDrafter(), HybridDrafter(cost={1: 1.0, 64: 1.2})]
+    requests = [Request(prompt=p, drafter=bases[i % 2].fork(), max_new_tokens=30)
+                for i, p in enumerate(prompts)]
+    results = run_batched(tiny, requests, [0, 0, 0, 1, 1, 2, 2, 3], max_batch_size=8)
+    assert [result.token_ids for result in results] == references

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from dresd.bench.concurrency import concurrency_table, run_concurrency, write_concurrency
 from dresd.bench.meta import bench_metadata
 from dresd.bench.methods import METHODS, parse_methods
 from dresd.bench.report import build_report, markdown_table, write_report
@@ -24,6 +25,7 @@ from dresd.cli.options import (
 )
 from dresd.corpus import output_row, save_output
 from dresd.datasets import load_prompts
+from dresd.errors import UserError
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, MethodRunner
 
@@ -43,6 +45,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="optional category field of a .jsonl dataset")
     bench.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     bench.add_argument("--out", type=Path, required=True, help="folder for report.json/.md, plots")
+    bench.add_argument("--concurrency", default=None, metavar="C[,C...]",
+                       help="instead of one prompt at a time: each method runs all prompts "
+                            "through one batch, C at once, for each C (e.g. 1,4,16,32): "
+                            "aggregate tokens/s, TTFT and latency percentiles "
+                            "(concurrency.json/.md/.png in --out)")
     add_save_outputs_option(bench)  # AR's output per prompt: every method's, when greedy
     bench.set_defaults(func=run)
 
@@ -53,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     specs = [(AR, AR, {})] + [spec for spec in specs if spec[0] != AR]
     methods = [label for label, _, _ in specs]
     check_limit(args)
+    levels = parse_levels(args.concurrency)
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
     check_datastore_arg(args)
@@ -68,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     # Ctrl-C or `kill -INT` ends the run with a partial report, also where the shell that
     # started us in the background made it ignore SIGINT (Python then installs no handler).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if levels:
+        rows = run_concurrency(runners, prompt_ids, levels)
+        write_concurrency(rows, meta, args.out)
+        print("\n".join(concurrency_table(rows)))
+        print(f"\nreport: {args.out / 'concurrency.md'}")
+        return 0
     records, interrupted = run_bench(runners, prompts, prompt_ids)
     if args.save_outputs is not None:
         made_by = output_origin(target)
@@ -86,3 +100,17 @@ def run(args: argparse.Namespace) -> int:
         print("dresd: interrupted; the report covers the prompts that finished", file=sys.stderr)
         return 130
     return 0
+
+
+def parse_levels(text: str | None) -> list[int]:
+    """--concurrency 1,4,16 -> [1, 4, 16]; None -> [] (one prompt at a time)."""
+    if text is None:
+        return []
+    try:
+        levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise UserError(f"--concurrency takes whole numbers separated by commas, got {text!r}"
+                        ) from None
+    if not levels or levels[0] < 1:
+        raise UserError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels

@@ -110,6 +110,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="rest: shortest context suffix looked up (default 2)")
     p.add_argument("--rest-matches", type=int, default=None, dest="max_matches",
                    help="rest: matches whose continuations are counted (default 5000)")
+    p.add_argument("--no-budget", action="store_true",
+                   help="verify every draft as the drafter shaped it (DReSD: the paper's "
+                        "--num-drafts x --draft-len); by default each step keeps only the "
+                        "draft tokens that pay for their rows in the step's forward, priced "
+                        "by this machine's verify-cost curve (see `dresd calibrate`); "
+                        "--max-tree-nodes also fixes the shape")
     p.add_argument("--max-tree-nodes", type=int, default=None,
                    help="rest, dresd: draft-tree nodes kept, the most frequent prefixes of the "
                         "retrieved continuations (rest default 64; dresd default: none, the "
@@ -214,7 +220,8 @@ def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]
                    max_spec_factor=args.max_spec_factor, max_spec_offset=args.max_spec_offset,
                    min_token_prob=args.min_token_prob,
                    max_cached_requests=args.max_cached_requests,
-                   max_cached_tokens=args.max_cached_tokens)
+                   max_cached_tokens=args.max_cached_tokens,
+                   budget=False if args.no_budget else None)
     if "draft" in methods:
         if args.draft_model is None:
             raise UserError("--method draft needs --draft-model")

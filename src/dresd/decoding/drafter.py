@@ -40,6 +40,9 @@ class Drafter:
     them. Drafters are dataclasses of their options (`make_drafter` builds one by name)."""
 
     name: str  # the method, as --method spells it
+    # True for a drafter that prices its own trees by the verify-cost curve (hybrid): the
+    # batched loop then cuts its trees only when other sequences share the forward
+    sizes_its_trees: bool = False
 
     def propose(self, context: DraftContext) -> list[Draft]:
         """Drafts continuing `context.token_ids`, best first."""
@@ -48,6 +51,13 @@ class Drafter:
     def check_target(self, target: Target) -> None:
         """Called once with the target before generating: refuse one this drafter cannot
         serve, or prepare what depends on it."""
+
+    def fork(self) -> Drafter:
+        """A drafter for one more generation running beside this one's (the batched loop
+        interleaves their steps): it shares what is learned across generations (datastores,
+        learned outputs, acceptance statistics) and keeps its own per-generation state.
+        Drafters with no per-generation state are their own fork."""
+        return self
 
     def observe(self, prompt: Sequence[int], output: Sequence[int],
                 hidden_states: torch.Tensor | None = None) -> None:

@@ -105,16 +105,6 @@ class DenseDrafter(Drafter):
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
 
-    # The option's old name. serve/engine.py still sets it on a request's variant of the
-    # drafter; remove this once it sets draft_len.
-    @property
-    def len_drafts(self) -> int:
-        return self.draft_len
-
-    @len_drafts.setter
-    def len_drafts(self, value: int) -> None:
-        self.draft_len = value
-
     def check_target(self, target: Target) -> None:
         """Refuse a datastore built by another model or tokenizer (the runner calls this)."""
         self.store.check_compatible(target)

@@ -47,6 +47,7 @@ hurts); `prior_strength` = 4 observations, so a few steps of this workload overr
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import Counter
@@ -365,6 +366,16 @@ class HybridDrafter(Drafter):
                 self.sources["dresd"] = DenseDrafter(self.datastore, k=self.neighbours,
                                                      draft_len=self.draft_len,
                                                      learn=stores_learn)
+
+    sizes_its_trees = True  # its own budget (`choose_budget`) prices each tree by the curve
+
+    def fork(self) -> HybridDrafter:
+        """Shares the acceptance table, the ledger and every source's learned outputs; its
+        own last step and its sources' own per-request state."""
+        forked = copy.copy(self)
+        forked.sources = {name: source.fork() for name, source in self.sources.items()}
+        forked.last, forked.steps = None, 0
+        return forked
 
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""

@@ -9,6 +9,7 @@ forward.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,10 @@ class DraftModelDrafter(Drafter):
             raise UserError("the draft method needs a draft model (--draft-model)")
         if self.draft_len < 1:
             raise UserError("draft_len must be >= 1")
+
+    def fork(self) -> DraftModelDrafter:
+        """The same small model with a KV cache of its own (one per generation)."""
+        return dataclasses.replace(self, _cache=None, _cached_tokens=[])
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> list[Draft]:

@@ -49,6 +49,7 @@ Departures from the paper and from vLLM's `suffix` method (ArcticInference's suf
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections import deque
 from collections.abc import Sequence
@@ -279,6 +280,13 @@ class SuffixDrafter(Drafter):
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached = deque()
         self._reset_request()
+
+    def fork(self) -> SuffixDrafter:
+        """Shares the global trie (what every finished generation taught it); a per-request
+        trie of its own."""
+        forked = copy.copy(self)
+        forked._reset_request()
+        return forked
 
     def _reset_request(self) -> None:
         self.request_trie = SuffixTrie(self.max_depth)

@@ -295,8 +295,7 @@ def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
         return base
     dense = isinstance(base, DenseDrafter)
     fields = {f.name for f in dataclasses.fields(base) if f.init}
-    takes = sorted(key for key in REQUEST_DRAFTER_OPTIONS
-                   if key in fields or (dense and key == "draft_len"))
+    takes = sorted(key for key in REQUEST_DRAFTER_OPTIONS if key in fields)
     changes = {}
     for key, value in options.items():
         if key not in takes:
@@ -305,7 +304,7 @@ def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
         if not 1 <= value <= REQUEST_DRAFTER_OPTIONS[key]:
             raise RequestError(f"option {key} must be between 1 and "
                                f"{REQUEST_DRAFTER_OPTIONS[key]}, got {value}", param=key)
-        changes["len_drafts" if dense and key == "draft_len" else key] = value  # its own name
+        changes[key] = value
     if dense:
         # replace() would open the datastore again; a copy shares it. The range check above is
         # all that DenseDrafter itself checks.
