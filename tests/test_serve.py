@@ -364,3 +364,45 @@ def test_streamed_text_never_sends_a_stop_string(default_target):
     pieces = protocol.IncrementalText(tokenizer, stop=[" four"])
     sent = [pieces.add([token]) for token in ids] + [pieces.finish()]
     assert "".join(sent) == "one two three" and pieces.stopped
+
+
+def big_body(port: int, size: int, chunked: bool) -> tuple[int, dict]:
+    """POST a chat body of `size` bytes; (status, JSON reply). Chunked: no Content-Length, so
+    the server counts the bytes as they come."""
+    text = "x" * size
+    body = json.dumps({"model": "SmolLM2-135M-Instruct",
+                       "messages": [{"role": "user", "content": text}]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    if chunked:
+        conn.putheader("Transfer-Encoding", "chunked")
+    else:
+        conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders()
+    try:
+        for start in range(0, len(body), 1 << 16):
+            piece = body[start:start + (1 << 16)]
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if chunked:
+            conn.send(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the whole body was sent
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read() or b"{}")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_huge_body_is_413_and_the_server_stays_responsive(server, client, chunked):
+    """A 20 MB body is refused before it is parsed; /health and a small request answer
+    meanwhile (the event loop is never held by it)."""
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(big_body, server.port, 20_000_000, chunked)
+        started = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as reply:
+            assert reply.status == 200
+        health_seconds = time.perf_counter() - started
+        assert chat(client, "hi", max_tokens=2).choices[0].message.content
+        status, reply = huge.result()
+    assert status == 413 and "larger than this server's limit" in reply["error"]["message"]
+    assert health_seconds < 5  # a held event loop took 22 s here

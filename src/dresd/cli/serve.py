@@ -32,6 +32,7 @@ from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning
 from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
+from dresd.serve.limits import BYTES_PER_TOKEN
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -51,6 +52,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch-size", type=int, default=16,
                        help="requests generated together, their rows in one forward per step "
                             "(continuous batching; default 16); more wait in the queue")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="larger request bodies are refused with 413 before they are read "
+                            f"(default: {BYTES_PER_TOKEN} bytes per token of the model's "
+                            "context length, at least 64 KiB; the default model: 512 KiB)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting at most; more are refused with 503 (default 64)")
     serve.add_argument("--served-model-name", default=None,
@@ -115,6 +120,8 @@ def check_args(args: argparse.Namespace) -> None:
                         "the raw text; --no-chat-template does not apply")
     if args.max_queue < 1:
         raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise UserError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.max_batch_size < 1:
         raise UserError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not 0 < args.port < 65536:
@@ -156,7 +163,7 @@ def build_app(args: argparse.Namespace, metrics=None, metrics_text=None):
     options = drafter_options(argparse.Namespace(**{**vars(args), "datastore": None}), target,
                               methods)
     draft_model = {"model": options.pop("model")} if "model" in options else None
-    budget = options.pop("budget") is not False
+    budget = options.pop("budget", None) is not False
     drafters, names = load_drafters(target, args.datastore, options, draft_model)
     engine = Engine(target, drafters, defaults, args.method, names, args.max_queue,
                     output_saver(target, args.save_outputs), max_batch_size=args.max_batch_size,
@@ -164,6 +171,7 @@ def build_app(args: argparse.Namespace, metrics=None, metrics_text=None):
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     app = create_app(engine, served_model_name(args), model_aliases=(args.model,),
+                     max_body_bytes=args.max_body_bytes,
                      api_key=args.api_key, metrics_open=args.metrics_open, metrics=metrics,
                      metrics_text=metrics_text)
     return app, engine

@@ -27,6 +27,7 @@ from dresd.metrics import GenerationResult, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
 from dresd.serve.engine import Engine, Job, RequestError, check_context, request_settings
+from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
 
 log = logging.getLogger("dresd.serve")
@@ -38,11 +39,13 @@ DISCONNECT_POLL_S = 0.25
 def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] = (),
                api_key: str | None = None, metrics_open: bool = False,
                metrics: ServerMetrics | None = None,
-               metrics_text: Callable[[], Awaitable[str]] | None = None) -> FastAPI:
+               metrics_text: Callable[[], Awaitable[str]] | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The app over `engine`. `api_key`: every request but /health (and /metrics with
     `metrics_open`) must carry it (auth.py). `metrics` / `metrics_text`: where the figures are
     recorded and how /metrics renders them, when not this process's alone (a Ray Serve replica
-    reports every replica's, ray_serve.py)."""
+    reports every replica's, ray_serve.py). `max_body_bytes`: larger bodies get 413 unread
+    (default: `limits.default_body_limit` of the model's context)."""
     metrics = metrics if metrics is not None else ServerMetrics(model_name)
     accepted_names = {model_name, *model_aliases}
 
@@ -55,6 +58,8 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
     app = FastAPI(title="dresd", lifespan=lifespan)
     if api_key:  # added first, so it runs inside the request log: a refusal is logged too
         app.add_middleware(APIKeyCheck, api_key=api_key, metrics_open=metrics_open)
+    app.add_middleware(BodyLimit, limit=max_body_bytes or default_body_limit(
+        engine.target.max_length))  # before the key check: a refusal reads no body either
     app.add_middleware(RequestLog)
 
     # -- errors: OpenAI's error object, never a traceback --------------------------------
@@ -137,7 +142,8 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                param="model")
         body.check_supported()
         target = engine.target
-        prompt_ids = body.prompt_ids(target.tokenizer)
+        # Off the event loop: a long prompt's tokenization must not hold other requests
+        prompt_ids = await asyncio.to_thread(body.prompt_ids, target.tokenizer)
         settings = request_settings(engine.defaults, max_tokens, body.temperature, body.top_p,
                                     body.top_k, body.seed, body.stop_strings())
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)

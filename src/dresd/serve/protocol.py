@@ -234,6 +234,7 @@ def usage_chunk(kind: Literal["chat", "text"], request_id: str, created: int, mo
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+             503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": kinds.get(status, "InternalServerError"),
                       "param": param, "code": status}}
