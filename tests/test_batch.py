@@ -6,15 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_model
+from conftest import TINY_VOCAB
 from drafters_for_tests import OracleDrafter, RandomTreeDrafter
 from test_lossless_greedy import reference_greedy, varied_prompts
-from transformers import AutoModelForCausalLM, GemmaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, GemmaConfig
 
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.decoding.batch import BatchEngine, Request
-from dresd.decoding.forward import HFForward, LlamaForward, make_forward
-from dresd.drafters import NoDrafter, PromptLookupDrafter
+from dresd.decoding.forward import HFForward, LlamaForward, Segment, make_forward
+from dresd.decoding.generate import target_forward
+from dresd.decoding.tree import DraftTree
+from dresd.drafters import HybridDrafter, NoDrafter, PromptLookupDrafter, SuffixDrafter
+from dresd.prompts import encode_prompt
 
 
 def mixed_drafter(index: int, prompt: list[int], reference: list[int]):
@@ -136,11 +139,6 @@ def test_models_that_are_not_llama_shaped_fall_back_to_transformers(tiny):
 def test_llama_forward_is_transformers_forward(tiny):
     """Logits and hidden states of a prompt chunk, a second chunk and a tree equal transformers'
     forward on the same inputs (float64: to rounding)."""
-    from dresd.decoding.forward import Segment
-    from dresd.decoding.generate import target_forward
-    from dresd.decoding.tree import DraftTree
-    from transformers import DynamicCache
-
     forward = LlamaForward(tiny)
     prompt = varied_prompts(3, seed=10)[1] + [5, 6, 7]
     sequence = forward.new_sequence()
@@ -174,8 +172,6 @@ def test_bf16_batched_is_bit_for_bit_single_stream(default_target_bf16):
              "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
              "What is the capital of France? Answer in one sentence.",
              "List three prime numbers larger than ten."]
-    from dresd.prompts import encode_prompt
-
     prompts = [encode_prompt(target.tokenizer, text) for text in texts]
 
     def request(prompt: list[int]) -> Request:
@@ -192,8 +188,6 @@ def test_bf16_batched_is_bit_for_bit_single_stream(default_target_bf16):
 
 
 def test_forks_share_what_is_learned_and_keep_their_own_request_state():
-    from dresd.drafters import HybridDrafter, SuffixDrafter
-
     suffix = SuffixDrafter()
     fork = suffix.fork()
     fork.observe([1, 2], [3, 4, 5, 3, 4, 6])
@@ -208,8 +202,6 @@ def test_forks_share_what_is_learned_and_keep_their_own_request_state():
 
 
 def test_forked_drafters_in_one_batch_are_lossless(tiny):
-    from dresd.drafters import HybridDrafter, SuffixDrafter
-
     prompts = varied_prompts(8, seed=13)
     references = [reference_greedy(tiny, p, 30) for p in prompts]
     bases = [SuffixDrafter(), HybridDrafter(cost={1: 1.0, 64: 1.2})]

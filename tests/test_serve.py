@@ -271,6 +271,7 @@ def test_sixteen_concurrent_streams_equal_sequential_output(client, server, defa
     assert metric(server.url, "dresd:num_requests_running") == 0
     assert finished(server.url) - done_before == len(QUESTIONS)
     assert metric(server.url, "dresd:spec_decode_mean_acceptance_length") >= 1.0
+    assert metric(server.url, "dresd:mean_batch_size") > 1.0  # requests shared forwards
 
 
 def test_a_full_queue_is_503(servers):

@@ -118,6 +118,7 @@ class BatchEngine:
         self.waiting: deque[Running] = deque()
         self.running: list[Running] = []
         self.steps = 0  # forwards run so far
+        self.last_step = (0, 0)  # (sequences, rows) of the last forward
         self.cost = cost
         self.estimates = AcceptanceEstimates()  # learned from every tree verified here
 
@@ -189,6 +190,7 @@ class BatchEngine:
         forward_started = clock(self.device)
         outputs = self.forward(segments)
         self.steps += 1
+        self.last_step = (len(segments), sum(len(segment) for segment in segments))
 
         finished = failed
         for state, segment, output in zip(members, segments, outputs, strict=True):

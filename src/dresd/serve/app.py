@@ -47,6 +47,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
     reports every replica's, ray_serve.py). `max_body_bytes`: larger bodies get 413 unread
     (default: `limits.default_body_limit` of the model's context)."""
     metrics = metrics if metrics is not None else ServerMetrics(model_name)
+    engine.on_step = metrics.record_step
     accepted_names = {model_name, *model_aliases}
 
     @asynccontextmanager

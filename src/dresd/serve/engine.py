@@ -133,6 +133,8 @@ class Engine:
             self.cost = lambda rows: cost_at(curve, rows)
         self.running = 0  # requests in the batch now
         self.batch_waiting = 0  # admitted to the loop, waiting for room in the batch
+        # called after every forward with its (requests, token rows): the server's metrics
+        self.on_step: Callable[[int, int], None] | None = None
         self._worker: threading.Thread | None = None
         self.on_finished = on_finished  # called with (prompt ids, result) after each generation
 
@@ -278,6 +280,9 @@ class Engine:
                 batch = self.batch()
                 finished = []
             self.running, self.batch_waiting = len(batch.running), len(batch.waiting)
+            if self.on_step is not None and batch.last_step[0]:
+                self.on_step(*batch.last_step)
+                batch.last_step = (0, 0)
             for state in finished:
                 state, job = jobs.pop(id(state))
                 if state.error is not None:

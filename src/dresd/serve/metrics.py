@@ -58,6 +58,9 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.target_forwards = 0
+        self.batch_forwards = 0  # forwards of the batched loop (one per step, all requests)
+        self.batch_sequences = 0  # requests in them, summed over forwards
+        self.batch_rows = 0  # token rows in them (prompt chunks, draft trees), summed
         self.generation_seconds = 0.0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
@@ -91,6 +94,12 @@ class ServerMetrics:
                 self.reached[p] += 1
             for p in range(min(step.num_accepted, step.draft_depth)):
                 self.accepted_at[p] += 1
+
+    def record_step(self, sequences: int, rows: int) -> None:
+        """One forward of the batched loop: how many requests and token rows it carried."""
+        self.batch_forwards += 1
+        self.batch_sequences += sequences
+        self.batch_rows += rows
 
     def record_rejected(self, status: int) -> None:
         self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
@@ -143,6 +152,15 @@ class ServerMetrics:
                [("", round(self.generation_seconds, 6))])
         metric("num_target_forwards", "counter", "Target forwards: prefills + verify steps.",
                [("", self.target_forwards)])
+        metric("batch_forwards", "counter", "Forwards of the batched loop (one per step).",
+               [("", self.batch_forwards)])
+        metric("batch_sequences", "counter", "Requests carried by those forwards, summed.",
+               [("", self.batch_sequences)])
+        metric("batch_rows", "counter", "Token rows of those forwards (prompt chunks, draft "
+               "trees), summed.", [("", self.batch_rows)])
+        metric("mean_batch_size", "gauge", "Requests per forward of the batched loop.",
+               [("", self.batch_sequences / self.batch_forwards if self.batch_forwards
+                 else 0.0)])
         metric("spec_decode_num_drafts", "counter", "Verify steps.", [("", self.verify_steps)])
         metric("spec_decode_num_draft_tokens", "counter", "Drafted tokens (tree nodes verified).",
                [("", self.drafted_tokens)])
