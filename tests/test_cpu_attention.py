@@ -133,7 +133,7 @@ def test_batch_call_equals_one_call_per_sequence(threads):
     stacked = torch.cat([q[0].transpose(0, 1) for q in queries])
     batch = cpu_attention.attention_batch(stacked, bounds, keys, values, masks, 0.125,
                                           threads=threads)
-    for s, (query, key, value, mask) in enumerate(zip(queries, keys, values, masks,
-                                                                strict=True)):
+    segments = zip(queries, keys, values, masks, strict=True)
+    for s, (query, key, value, mask) in enumerate(segments):
         alone = cpu_attention.attention(query, key, value, mask, 0.125)[0]
         assert torch.equal(batch[bounds[s]:bounds[s + 1]], alone), s

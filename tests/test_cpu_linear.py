@@ -87,11 +87,12 @@ def test_fused_projections_equal_the_separate_ones():
     generator = torch.Generator().manual_seed(9)
     projections = [bf16_linear(generator, 576, n, bias=b) for n, b in
                    [(576, False), (192, True), (192, False)]]
-    fused = cpu_linear.fuse(projections)
+    separate_modules = [cpu_linear.InvariantLinear.from_module(p) for p in projections]
     x = torch.randn(7, 576, generator=generator).to(torch.bfloat16)
-    together = fused(x)
-    separate = [cpu_linear.InvariantLinear.from_module(p)(x) for p in projections]
-    assert torch.equal(together, torch.cat(separate, dim=-1))
+    separate = torch.cat([module(x) for module in separate_modules], dim=-1)
+    # from the original linears, or from their InvariantLinear replacements (unpacked)
+    for fused in (cpu_linear.fuse(projections), cpu_linear.fuse(separate_modules)):
+        assert torch.equal(fused(x), separate)
 
 
 @needs_kernel

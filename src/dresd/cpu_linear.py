@@ -86,9 +86,18 @@ def usable(module: torch.nn.Module) -> bool:
             and weight.device.type == "cpu" and kernel() is not None)
 
 
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of `pack`: W [N, K]."""
+    k_padded = in_features + in_features % 2
+    blocked = packed.view(-1, k_padded // 2, PANEL, 2).permute(0, 2, 1, 3)
+    return blocked.reshape(-1, k_padded)[:out_features, :in_features]
+
+
 def dense_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The [N, K] weight of an `nn.Linear` or a `fastpath.PackedLinear` (its oneDNN-packed
-    weight converted back, exactly), else None."""
+    """The [N, K] weight of an `nn.Linear`, a `fastpath.PackedLinear` (its oneDNN-packed
+    weight converted back, exactly) or an `InvariantLinear`, else None."""
+    if isinstance(module, InvariantLinear):
+        return unpack(module.packed_weight, module.out_features, module.in_features)
     if isinstance(module, torch.nn.Linear):
         return module.weight.detach()
     if isinstance(module, PackedLinear):
@@ -115,7 +124,7 @@ class InvariantLinear(torch.nn.Module):
     @classmethod
     def from_module(cls, module: torch.nn.Module) -> InvariantLinear:
         """From an `nn.Linear` or a `fastpath.PackedLinear` (check `usable` first)."""
-        return cls(dense_weight(module), getattr(module, "bias", None))
+        return cls(dense_weight(module), _bias(module))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed_weight, self.out_features, self.bias)
@@ -125,13 +134,21 @@ class InvariantLinear(torch.nn.Module):
                 "batch-invariant C kernel")
 
 
+def _bias(module: torch.nn.Module) -> torch.Tensor | None:
+    """A linear module's bias [N] (an `InvariantLinear`'s without its panel padding)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(module, InvariantLinear) and bias is not None:
+        return bias[:module.out_features]
+    return bias
+
+
 def fuse(modules: list[torch.nn.Module]) -> InvariantLinear:
     """One `InvariantLinear` for projections that share an input (q, k, v; gate, up): their
     weights stacked along N. Its output columns are, bit for bit, the separate modules'
     outputs: each output's sum is one lane running the same instructions over the same k
     (cpu_linear.c's header), wherever its weight row sits."""
     weights = [dense_weight(module) for module in modules]
-    biases = [getattr(module, "bias", None) for module in modules]
+    biases = [_bias(module) for module in modules]
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else torch.zeros(w.shape[0],
@@ -147,7 +164,7 @@ def invariant_linears(model: torch.nn.Module) -> int:
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if usable(child):
+            if not isinstance(child, InvariantLinear) and usable(child):
                 setattr(module, name, InvariantLinear.from_module(child))
                 replaced += 1
     return replaced
