@@ -136,3 +136,30 @@ def test_no_avx512_bf16_means_no_kernel(monkeypatch):
         assert cpu_linear.kernel() is None
     finally:
         cpu_linear.kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["tiny", "default"])
+def test_model_rows_do_not_depend_on_their_batch(name):
+    """A bf16 model on the C linears (and invariant attention; the default model's on the C
+    attention kernel): a 6-token chain in one forward, beside another sequence, gives every row
+    the logits its one-token decode step gives, bit for bit."""
+    from dresd.decoding.forward import LlamaForward, Segment
+    from dresd.fastpath import use_invariant_attention
+    from dresd.models import load_target
+    from tests.conftest import tiny_model
+
+    if name == "tiny":
+        model = tiny_model().to(torch.bfloat16)
+    else:
+        model = load_target("default", dtype="bfloat16", device="cpu", prepack=False).model
+    cpu_linear.invariant_linears(model)
+    assert use_invariant_attention(model)
+    forward = LlamaForward(model)
+    tokens = [5, 17, 3, 99, 42, 7]
+    chain, other = forward.new_sequence(), forward.new_sequence()
+    together = forward([Segment(chain, tokens, 0), Segment(other, [8, 9, 10], 0)])[0].logits
+    stepped = forward.new_sequence()
+    for position, token in enumerate(tokens):
+        alone = forward([Segment(stepped, [token], position)])[0].logits
+        assert torch.equal(alone[0], together[position]), position
