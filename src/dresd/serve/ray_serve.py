@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import threading
 import time
 import uuid
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from dresd.raypool import import_ray
-from dresd.serve.auth import is_loopback
 from dresd.serve.metrics import PREFIX, ServerMetrics
 
 APP_NAME = "dresd"
@@ -229,10 +227,9 @@ def serve_on_ray(args: argparse.Namespace, build_app: BuildApp, model_name: str)
 
     started_here = not ray.is_initialized()
     if started_here:
-        # A Ray started here for a loopback endpoint keeps its own ports on loopback too.
-        local = not args.ray and not os.environ.get("RAY_ADDRESS") and is_loopback(args.host)
-        ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=True,
-                 **({"_node_ip_address": "127.0.0.1"} if local else {}))
+        # Only the HTTP endpoint follows --host: Ray's own ports (GCS, raylet, workers) listen
+        # as Ray configures them (Ray 2.60: every interface, behind its token authentication).
+        ray.init(address=args.ray or None, include_dashboard=False, log_to_driver=True)
     board = None
     try:  # Ctrl-C while the replicas load takes the deployment down too
         board = deploy(args, build_app, model_name)
