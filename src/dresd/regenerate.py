@@ -3,7 +3,8 @@
 The paper's "ID" datastores, built from the target's own outputs, retrieve far better than
 "OOD" ones built from reference responses: at generation time the target repeats itself, not
 the references. `regenerate` writes one JSON line per prompt (the input row with the response
-field added or replaced), in input order, generating in batches (left-padded `generate`).
+field added or replaced), in input order, generating in batches through the batched
+speculative loop (`decoding/batch.py`; `method` drafts, suffix by default).
 
 The output appears complete or not at all, like a datastore: rows are appended to
 `OUT.partial`, each batch flushed to disk, and the file is renamed to `OUT` when every prompt
@@ -27,7 +28,9 @@ import torch
 from tqdm import tqdm
 
 from dresd.corpus import CorpusError, format_prompt_ids, iter_jsonl
+from dresd.decoding import SamplingConfig
 from dresd.models import Target
+from dresd.runner import GenerationSettings, MethodRunner
 
 if TYPE_CHECKING:  # Ray is optional, and imported only by a run that uses it
     from dresd.raypool import RayPool
@@ -39,7 +42,10 @@ class RegenerateConfig:
     response_field: str = "response"  # the field written with the target's response
     format: str = "chat"  # prompt format, as for `dresd build` (chat | qa)
     max_new_tokens: int = 256  # tokens per response at most
-    batch_size: int = 8  # prompts per `generate` call
+    batch_size: int = 8  # prompts generated together (one batch of the batched loop)
+    # drafts for each response: suffix learns from the responses already written (no datastore
+    # is needed); the output is the model's own whatever the method
+    method: str = "suffix"
     temperature: float = 0.0  # 0: greedy (default)
     seed: int = 0  # sampling seed (temperature > 0)
     limit: int | None = None  # the first this many prompts only
@@ -157,36 +163,43 @@ def _generate_rows(target: Target, rows: list[dict], done: int, f, config: Regen
     bar.close()
 
 
-@torch.inference_mode()
 def response_lines(target: Target, batch: list[dict], start: int,
                    config: RegenerateConfig) -> str:
-    """The output lines of one batch of prompt rows (`start`: the first row's number, which
-    seeds sampling, so that a resumed or distributed run samples what one run does)."""
-    tokenizer, model = target.tokenizer, target.model
-    eos = target.eos_token_ids
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
-    options: dict = {"do_sample": False}
-    if config.temperature > 0:
-        options = {"do_sample": True, "temperature": config.temperature, "top_k": 0}
-    prompts = [format_prompt_ids(tokenizer, r[config.prompt_field], config.format)
-               for r in batch]
-    width = max(len(p) for p in prompts)
-    # Left padding: every prompt ends at the same column, where generation continues.
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    device = next(model.parameters()).device
-    if config.temperature > 0:
-        torch.manual_seed(config.seed * 1_000_003 + start)
-    output = model.generate(ids.to(device), attention_mask=mask.to(device),
-                            max_new_tokens=config.max_new_tokens,
-                            eos_token_id=eos or None, pad_token_id=pad_id, **options)
+    """The output lines of one batch of prompt rows, generated together by the batched
+    speculative loop with `config.method`'s drafter (`start`: the first row's number; row i
+    samples with seed `config.seed * 1_000_003 + i`, so that a resumed or distributed run
+    samples what one run does, whatever its batches)."""
+    tokenizer = target.tokenizer
+    runner = _runner(target, config)
+    engine = runner.batch(len(batch))
+    states = []
+    for offset, row in enumerate(batch):
+        request = runner.request(format_prompt_ids(tokenizer, row[config.prompt_field],
+                                                   config.format), runner.drafter.fork())
+        if config.temperature > 0:
+            request.sampling = SamplingConfig(temperature=config.temperature,
+                                              seed=config.seed * 1_000_003 + start + offset)
+        states.append(engine.add(request))
+    engine.run()
     lines = []
-    for row, new in zip(batch, output[:, width:].tolist(), strict=True):
-        if eos and any(t in eos for t in new):  # cut at the first EOS (then padding)
-            new = new[: min(new.index(t) for t in eos if t in new)]
+    eos = target.eos_token_ids
+    for row, state in zip(batch, states, strict=True):
+        new = state.result.token_ids
+        if new and new[-1] in eos:  # the response ends before its EOS token
+            new = new[:-1]
         text = tokenizer.decode(new, skip_special_tokens=True)
         lines.append(json.dumps({**row, config.response_field: text}) + "\n")
     return "".join(lines)
+
+
+# One runner per (target, method) in this process: its drafter's forks share what it learned
+# from the responses before (suffix: their suffix tries), batch after batch.
+_RUNNERS: dict[tuple[int, str, int], MethodRunner] = {}
+
+
+def _runner(target: Target, config: RegenerateConfig) -> MethodRunner:
+    key = (id(target), config.method, config.max_new_tokens)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = MethodRunner(target, config.method,
+                                     GenerationSettings(config.max_new_tokens))
+    return _RUNNERS[key]

@@ -37,7 +37,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     regen.add_argument("--response-field", default="response", help="the field written")
     regen.add_argument("--format", choices=FORMATS, default="chat")
     regen.add_argument("--max-new-tokens", type=int, default=256)
-    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument("--batch-size", type=int, default=8,
+                       help="prompts generated together, in one batch of the batched loop "
+                            "(default 8)")
+    regen.add_argument("--method", choices=("none", "pld", "suffix"), default="suffix",
+                       help="what drafts the responses (default suffix: it learns from the "
+                            "responses already written); every method writes the model's own "
+                            "responses")
     regen.add_argument("--temperature", type=finite_float, default=0.0,
                        help="0: greedy (default)")
     regen.add_argument("--seed", type=seed_int, default=0)
@@ -60,7 +66,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
                               format=args.format, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, temperature=args.temperature,
-                              seed=args.seed, limit=args.limit)
+                              seed=args.seed, limit=args.limit, method=args.method)
     read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
     target = load_target_from_args(args)
     ray = ray_pool(args, target) if args.ray is not None else None
