@@ -2,16 +2,20 @@
 
 Starts a server (the default model, one PyTorch thread unless told otherwise), then:
 
-1. sequential: every prompt once, one request at a time; these outputs are the reference, and
-   their speed is what one client alone gets;
-2. concurrent: CLIENTS threads, each streaming its share of ROUNDS x the prompts with the
-   official `openai` client, all at once.
+1. sequential AR: every prompt once with `method: ar` (plain decoding), one request at a
+   time: the single-stream baseline every ratio is over;
+2. sequential: every prompt once with METHOD, one request at a time; these outputs are the
+   reference, and their speed is what one client alone gets;
+3. concurrent: CLIENTS threads, each streaming its share of ROUNDS x the prompts with the
+   official `openai` client, all at once (the server batches them: continuous batching).
 
 Every concurrent response must be complete (a finish_reason) and equal to the sequential
 output of its prompt (greedy). Reported, client-side: time to first token (request sent ->
 first non-empty content chunk), end-to-end latency, tokens/s per request and for the whole run
-(completion tokens / wall seconds), and the server's own /metrics figures. The server runs one
-generation at a time (requests queue), so under load TTFT is mostly waiting in the queue.
+(completion tokens / wall seconds), the concurrent throughput over single-stream AR's, and
+the server's own /metrics figures (mean batch size among them). Methods that learn from
+finished outputs (suffix, hybrid) see the prompts again in phases 2 and 3, as a server that
+gets repeated questions does.
 
     PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --clients 16 --rounds 2 \
         --max-tokens 64 --out benchmarks/results/serve
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import openai
 
+from dresd.host import cpu_model
 from dresd.serve.local import LocalServer
 
 # GSM8K-like questions, written here so the benchmark needs no data files.
@@ -98,7 +103,8 @@ def server_metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
     wanted = ["spec_decode_mean_acceptance_length", "spec_decode_draft_acceptance_rate",
-              "avg_generation_throughput_toks_per_s", "generation_tokens_total"]
+              "avg_generation_throughput_toks_per_s", "generation_tokens_total",
+              "mean_batch_size"]
     found = {}
     for name in wanted:
         match = re.search(rf"^dresd:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
@@ -125,7 +131,9 @@ def summarize_phase(records: list[dict], wall: float) -> dict:
 def markdown(report: dict) -> str:
     """benchmarks/results/serve.md: the figures of one run, as measured."""
     rows = []
-    for phase in ("sequential", "concurrent"):
+    for phase in ("sequential_ar", "sequential", "concurrent"):
+        if phase not in report:
+            continue
         f = report[phase]
         clients = 1 if phase == "sequential" else report["clients"]
         rows.append(f"| {phase} | {clients} | {f['requests']} | {f['completion_tokens']} | "
@@ -151,21 +159,24 @@ def markdown(report: dict) -> str:
         f"Sequential: the {report['prompts']} prompts one at a time. Concurrent: "
         f"{report['clients']} clients at once, each prompt {report['rounds']} times. "
         f"Concurrent outputs against sequential ones: {same}; incomplete responses: "
-        f"{len(report['incomplete'])}.",
+        f"{len(report['incomplete'])}. Concurrent throughput over single-stream AR's: "
+        f"{report.get('concurrent_over_sequential_ar', float('nan')):.2f}x; CPU: "
+        f"{report.get('cpu', 'unknown')}.",
         "\n".join([
             "| phase | clients | requests | tokens | TTFT p50 s | TTFT p99 s | latency p50 s | "
             "latency p99 s | tokens/s (run) | tokens/s per request p50 |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             *rows]),
         "TTFT: request sent to the first non-empty content chunk. tokens/s (run): completion "
-        "tokens / wall seconds of the phase. The server generates one request at a time (they "
-        "queue), so concurrency does not raise throughput; under load TTFT is mostly the wait "
-        "in the queue, and it grows with the clients ahead.",
+        "tokens / wall seconds of the phase. sequential_ar: the same prompts with method ar "
+        "(plain decoding), one at a time. The server batches concurrent requests (up to "
+        "--max-batch-size, one forward per step for all of them).",
         "Server's /metrics at the end: mean acceptance length "
         f"{m.get('spec_decode_mean_acceptance_length', float('nan')):.2f}, draft acceptance "
         f"rate {m.get('spec_decode_draft_acceptance_rate', float('nan')):.1%}, generation "
         f"{m.get('avg_generation_throughput_toks_per_s', float('nan')):.1f} tokens/s "
-        f"({m.get('generation_tokens_total', 0):.0f} tokens, warm-up included).",
+        f"({m.get('generation_tokens_total', 0):.0f} tokens, warm-up included), mean batch "
+        f"size {m.get('mean_batch_size', float('nan')):.1f} requests per forward.",
     ]) + "\n"
 
 
@@ -200,6 +211,10 @@ def main() -> int:
         stream_one(client, model, "Hello.", 4, extra)  # warm-up, not counted
 
         started = time.perf_counter()
+        sequential_ar = [stream_one(client, model, p, args.max_tokens, {"method": "ar"})
+                         for p in PROMPTS]
+        sequential_ar_wall = time.perf_counter() - started
+        started = time.perf_counter()
         sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in PROMPTS]
         sequential_wall = time.perf_counter() - started
         reference = {r["prompt"]: r["text"] for r in sequential}
@@ -222,17 +237,22 @@ def main() -> int:
         "dtype": chosen.group(1) if chosen else args.dtype,
         "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
         "rounds": args.rounds,
+        "sequential_ar": summarize_phase(sequential_ar, sequential_ar_wall),
         "sequential": summarize_phase(sequential, sequential_wall),
         "concurrent": summarize_phase(concurrent, concurrent_wall),
+        "cpu": cpu_model(),
         "identical_to_sequential": not mismatches, "mismatches": mismatches,
         "incomplete": incomplete,
         "server_metrics": figures,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
     }
+    report["concurrent_over_sequential_ar"] = (report["concurrent"]["tokens_per_s"]
+                                               / report["sequential_ar"]["tokens_per_s"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
-    print(json.dumps({k: report[k] for k in ("sequential", "concurrent",
+    print(json.dumps({k: report[k] for k in ("sequential_ar", "sequential", "concurrent",
+                                              "concurrent_over_sequential_ar",
                                               "identical_to_sequential")}, indent=2))
     return 0 if not mismatches and not incomplete else 1
 
