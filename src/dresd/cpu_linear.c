@@ -34,6 +34,9 @@
 #define PARTS 4                 /* registers per panel: independent accumulators */
 #define PANEL (PARTS * LANES)   /* outputs per panel */
 #define MAX_TILE 6              /* rows sharing each weight load (6 x 4 accumulators) */
+#ifndef PREFETCH
+#define PREFETCH 16             /* pairs of k ahead (16: 4 KB) that each step prefetches */
+#endif
 #define ROW_GROUP 48            /* rows per work item when many rows: a panel stays in L2 */
 
 /* bf16(value) for 16 floats, to nearest, ties to even; NaN stays a quiet NaN. */
@@ -57,10 +60,10 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < TILE; i++) rows[i] = (const int32_t *)(x + i * x_stride);
     for (int p = 0; p < pairs; p++) {
         const uint16_t *w = panel + (int64_t)p * 2 * PANEL;
-        _mm_prefetch((const char *)(w + 16 * 2 * PANEL), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 16 * 2 * PANEL + 192), _MM_HINT_T0);
+#if PREFETCH
+        for (int line = 0; line < 4; line++)
+            _mm_prefetch((const char *)(w + PREFETCH * 2 * PANEL) + 64 * line, _MM_HINT_T0);
+#endif
         __m512bh weights[PARTS];
         for (int part = 0; part < PARTS; part++)
             weights[part] = (__m512bh)_mm512_loadu_si512(w + part * 2 * LANES);
@@ -115,6 +118,7 @@ void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t 
     int panels = (n + PANEL - 1) / PANEL;
     int groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
     int items = panels * groups;
+    if (threads > items) threads = items; /* an idle thread would only add to the join */
     /* Work item = (panel, row group), panel-major: a thread's items are consecutive row groups
      * of one panel, so the panel's weights stay in cache across all its rows' tiles. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)

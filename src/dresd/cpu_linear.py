@@ -65,17 +65,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """y = x W^T (+ bias) for x [..., K] bf16 on the CPU, W packed by `pack`; bias: float32
     [N padded to 64] or None. threads: default `torch.get_num_threads()`. Returns [..., N]."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.stride(-1) != 1 or k % 2:
         rows = torch.nn.functional.pad(rows, (0, k % 2)) if k % 2 else rows.contiguous()
     count = rows.shape[0]
     out = torch.empty(count, out_features, dtype=torch.bfloat16)
     if count:
-        kernel().dresd_linear(rows.data_ptr(), rows.stride(0), count, packed.data_ptr(),
-                              (k + 1) // 2, out_features,
-                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              out.stride(0), threads or torch.get_num_threads())
-    return out.view(*x.shape[:-1], out_features)
+        _function(rows.data_ptr(), rows.stride(0), count, packed.data_ptr(), (k + 1) // 2,
+                  out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                  out_features, threads or torch.get_num_threads())
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def _function(*args) -> None:
+    """The kernel's dresd_linear (looked up once: this is on every linear's hot path)."""
+    global _function
+    _function = kernel().dresd_linear
+    _function(*args)
 
 
 def usable(module: torch.nn.Module) -> bool:
