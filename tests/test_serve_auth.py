@@ -124,3 +124,20 @@ def test_the_serve_command_does_not_import_ray():
             "assert args.ray is None\n"
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_options_that_cannot_serve_are_refused(monkeypatch):
+    from dresd.cli.main import build_parser
+    from dresd.cli.serve import check_args
+    from dresd.errors import UserError
+
+    monkeypatch.delenv("DRESD_API_KEY", raising=False)
+    parser = build_parser()
+    for argv, message in [(["--replicas", "2"], "--replicas needs --ray"),
+                          (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
+                          (["--metrics-open"], "--metrics-open needs an API key")]:
+        with pytest.raises(UserError, match=message):
+            check_args(parser.parse_args(["serve", *argv]))
+    check_args(parser.parse_args(["serve", "--metrics-open", "--api-key", KEY]))
+    monkeypatch.setenv("DRESD_API_KEY", KEY)
+    check_args(parser.parse_args(["serve", "--metrics-open"]))
