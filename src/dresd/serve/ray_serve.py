@@ -6,8 +6,8 @@ one endpoint (Ray Serve's HTTP proxy on --host:--port).
   start. The datastore folders must be readable at the same path on every node.
 - Routing: Ray Serve's default router picks two replicas at random and sends the request to the
   one with fewer requests in flight (power of two choices), and never sends a replica more than
-  `max_ongoing_requests`: here `--max-queue` + the engine's running capacity, so a replica is
-  never handed more than its queue holds; past that, requests wait in Ray Serve's router.
+  `max_ongoing_requests`: here `--max-queue` + `--max-batch-size`, so a replica is never handed
+  more than its batch and queue hold; past that, requests wait in Ray Serve's router.
 - The API key is checked by each replica's app (the same middleware), so the endpoint behaves
   as the single-process server. Ray Serve's own `/-/healthz` and `/-/routes` stay open.
 - `/metrics`: every replica sends its figures to one small actor (`MetricsBoard`) when a request
@@ -16,15 +16,17 @@ one endpoint (Ray Serve's HTTP proxy on --host:--port).
   replicas heard from recently, and the per-replica gauges `dresd:replica_num_requests_running`
   and `..._waiting` labelled `replica`.
 - A replica's process that dies: Ray Serve starts another (it loads the model again); its
-  in-flight requests end in an error for their clients (a stream stops without its final chunk
-  and `[DONE]`), never in a shortened success; new requests go to the live replicas.
+  in-flight requests end in an error for their clients (the proxy drops the connection: a
+  stream stops without its finish reason and `[DONE]`, and the `openai` client raises
+  `APIConnectionError`), never in a shortened success; new requests go to the live replicas.
 - What a replica does not see: `suffix` and `hybrid` learn from the outputs their own replica
   generates; another replica's requests are unknown to them, and what they learned is lost when
   the replica stops. `--save-outputs FILE` on a shared folder writes each replica's outputs to
   FILE with the replica's name before the suffix (`outputs.r0ab12.jsonl`); `dresd build
   --append` adds them to a datastore, which every replica reads at its next start.
 
-Ray is imported here only, and this module only with `--ray`.
+Ray is imported in functions here (through `raypool.import_ray`), and this module only with
+`--ray`: a server without it never loads Ray.
 """
 
 from __future__ import annotations
