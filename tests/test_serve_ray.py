@@ -141,10 +141,15 @@ def test_each_replica_saves_its_outputs_for_build_append(deployment, default_tar
     from dresd.datastore.sparse_store import build_sparse_datastore
 
     url, saved = deployment
+    answered = set()
+    for prompt in QUESTIONS * 2:  # until both replicas have generated (alone, this test too)
+        if len(answered) == 2:
+            break
+        answered.add(streamed_chat(url, prompt)[2])
     files = sorted(saved.parent.glob(f"{saved.stem}.*{saved.suffix}"))
     assert len(files) == 2  # one file per replica: they never write the same one
     rows = [json.loads(line) for path in files for line in path.read_text().splitlines()]
-    assert len(rows) >= len(QUESTIONS)
+    assert all(row["token_ids"] for row in rows)
     seed = tmp_path / "seed.jsonl"
     seed.write_text(json.dumps({"prompt": "Hello?", "response": "Hello there."}) + "\n")
     store = build_sparse_datastore(default_target, CorpusSpec([str(seed)]), tmp_path / "store",
