@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -49,12 +50,16 @@ def deployment(tmp_path_factory):
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     try:
         ray_serve.deploy(args, build_app, served_model_name(args))
         yield f"http://127.0.0.1:{port}", saved
     finally:
         serve.shutdown()
         ray.shutdown()
+    # The key is in no log: the replicas', the proxy's, the controller's, Ray's own.
+    assert not [path for path in logs.rglob("*") if path.is_file()
+                and KEY.encode() in path.read_bytes()]
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:
