@@ -133,11 +133,33 @@ def test_options_that_cannot_serve_are_refused(monkeypatch):
 
     monkeypatch.delenv("DRESD_API_KEY", raising=False)
     parser = build_parser()
-    for argv, message in [(["--replicas", "2"], "--replicas needs --ray"),
+    for argv, message in [(["--replicas", "2"], "need --ray"),
                           (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
+                          (["--max-replicas", "3"], "need --ray"),
+                          (["--ray", "--replicas", "2", "--max-replicas", "1"],
+                           "--max-replicas \\(1\\) must be >= --replicas"),
                           (["--metrics-open"], "--metrics-open needs an API key")]:
         with pytest.raises(UserError, match=message):
             check_args(parser.parse_args(["serve", *argv]))
     check_args(parser.parse_args(["serve", "--metrics-open", "--api-key", KEY]))
+    check_args(parser.parse_args(["serve", "--ray", "--replicas", "2", "--max-replicas", "4"]))
     monkeypatch.setenv("DRESD_API_KEY", KEY)
     check_args(parser.parse_args(["serve", "--metrics-open"]))
+
+
+def test_ray_serve_deployment_options():
+    """Fixed replicas, or Ray Serve's autoscaling with --max-replicas (Ray not imported)."""
+    from dresd.cli.main import build_parser
+    from dresd.serve.ray_serve import deployment_options
+
+    parser = build_parser()
+    fixed = deployment_options(parser.parse_args(["serve", "--ray", "--replicas", "3",
+                                                  "--threads", "2", "--max-queue", "8"]))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 2}
+    assert fixed["max_ongoing_requests"] == 8 + 16  # the queue and the batch
+    scaled = deployment_options(parser.parse_args(["serve", "--ray", "--replicas", "1",
+                                                   "--max-replicas", "4"]))
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 1,
+                                            "max_replicas": 4, "target_ongoing_requests": 16}

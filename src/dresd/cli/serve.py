@@ -77,6 +77,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="with --ray: replicas, each loading the model and datastores once "
                             "and using --threads CPUs (default 1); a request goes to the one "
                             "with fewer requests in flight of two picked at random")
+    serve.add_argument("--max-replicas", type=int, default=None,
+                       help="with --ray: Ray Serve's autoscaling between --replicas and this "
+                            "many, aiming at --max-batch-size requests in flight per replica")
     add_save_outputs_option(serve)
     serve.set_defaults(func=run)
 
@@ -128,8 +131,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--port must be between 1 and 65535, got {args.port}")
     if args.replicas < 1:
         raise UserError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.replicas > 1 and args.ray is None:
-        raise UserError("--replicas needs --ray: one process serves one replica")
+    if (args.replicas > 1 or args.max_replicas is not None) and args.ray is None:
+        raise UserError("--replicas and --max-replicas need --ray: one process serves one "
+                        "replica")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise UserError(f"--max-replicas ({args.max_replicas}) must be >= --replicas "
+                        f"({args.replicas})")
     if args.metrics_open and not (args.api_key or os.environ.get(API_KEY_ENV)):
         raise UserError("--metrics-open needs an API key (--api-key or $" + API_KEY_ENV +
                         "): without one every path is open already")

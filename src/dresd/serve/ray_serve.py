@@ -4,6 +4,8 @@ one endpoint (Ray Serve's HTTP proxy on --host:--port).
 - Each replica is a Ray actor that builds the app exactly as the single-process server does
   (`build_app(args)`: model, datastores memory-mapped read-only, drafters, engine), once, at
   start. The datastore folders must be readable at the same path on every node.
+- Replicas: `--replicas N`, or with `--max-replicas M` Ray Serve's autoscaling between N and M,
+  aiming at `--max-batch-size` requests in flight per replica.
 - Routing: Ray Serve's default router picks two replicas at random and sends the request to the
   one with fewer requests in flight (power of two choices), and never sends a replica more than
   `max_ongoing_requests`: here `--max-queue` + `--max-batch-size`, so a replica is never handed
@@ -199,6 +201,21 @@ def max_ongoing_requests(args: argparse.Namespace) -> int:
     return args.max_queue + getattr(args, "max_batch_size", 1)
 
 
+def deployment_options(args: argparse.Namespace) -> dict:
+    """Ray Serve's options for the deployment: a fixed number of replicas, or with
+    --max-replicas its autoscaling between --replicas and that, aiming at a full batch of
+    requests in flight per replica (Ray Serve adds replicas when they hold more)."""
+    options = dict(max_ongoing_requests=max_ongoing_requests(args),
+                   ray_actor_options={"num_cpus": args.threads or 1},
+                   health_check_period_s=5, graceful_shutdown_timeout_s=15)
+    if args.max_replicas is None:
+        return {**options, "num_replicas": args.replicas}
+    return {**options, "autoscaling_config": {
+        "min_replicas": args.replicas, "initial_replicas": args.replicas,
+        "max_replicas": args.max_replicas,
+        "target_ongoing_requests": getattr(args, "max_batch_size", 1)}}
+
+
 def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
     """Start `args.replicas` replicas of `build_app(args)` on the Ray instance this process is
     connected to, Ray Serve's proxy on --host:--port; returns the metrics board's handle.
@@ -212,11 +229,7 @@ def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
         return build_replica_app(args, build_app, model_name, board)
 
     ingress = serve.ingress(build)(type("DresdReplica", (), {}))
-    deployment = serve.deployment(
-        ingress, name=DEPLOYMENT_NAME, num_replicas=args.replicas,
-        max_ongoing_requests=max_ongoing_requests(args),
-        ray_actor_options={"num_cpus": args.threads or 1},
-        health_check_period_s=5, graceful_shutdown_timeout_s=15)
+    deployment = serve.deployment(ingress, name=DEPLOYMENT_NAME, **deployment_options(args))
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
     return board
@@ -235,7 +248,9 @@ def serve_on_ray(args: argparse.Namespace, build_app: BuildApp, model_name: str)
     board = None
     try:  # Ctrl-C while the replicas load takes the deployment down too
         board = deploy(args, build_app, model_name)
-        print(f"dresd serve: {args.replicas} replica(s) on Ray Serve at "
+        count = (f"{args.replicas}-{args.max_replicas}" if args.max_replicas is not None
+                 else str(args.replicas))
+        print(f"dresd serve: {count} replica(s) on Ray Serve at "
               f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
