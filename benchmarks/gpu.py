@@ -44,9 +44,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from dresd.calibrate import filled_cache, measure_verify_seconds, random_tree
 from dresd.decoding import speculative_generate
-from dresd.decoding.cache import keep_cache_entries
-from dresd.decoding.drafter import Draft, DraftContext
-from dresd.decoding.generate import target_forward
+from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.forward import Segment
 from dresd.decoding.verify import classify_divergence, greedy_accept
 from dresd.device import clock, device_name, resolve_device
 from dresd.drafters import HybridDrafter, NoDrafter, PromptLookupDrafter
@@ -80,27 +79,27 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device) -> torch.
 def loop_parts(model: torch.nn.Module, sizes: tuple[int, ...], context_len: int, repeats: int
                ) -> dict[int, dict[str, float]]:
     """Median ms of each part of a step, per tree size: tree tensors, forward, accept, compact."""
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    device = next(model.parameters()).device
     vocab = model.config.vocab_size
     rng = np.random.default_rng(1)
-    cache = filled_cache(model, context_len, rng)
+    forward, sequence = filled_cache(model, context_len, rng)  # the loop's own forward
     times: dict[int, dict[str, list[float]]] = {
         size: {"tree_tensors": [], "forward": [], "accept": [], "compact": []} for size in sizes}
     for repeat in range(repeats + 1):
         for size in sizes:
             tree = random_tree(size, vocab, rng)
             t0 = clock(device)
-            ids, positions = tree.input_ids(device), tree.position_ids(context_len, device)
-            mask = None if tree.is_linear() else tree.attention_mask(context_len, dtype, device)
+            segment = Segment(sequence, tree.tokens, context_len, depths=tree.depths,
+                              ancestors=tree.ancestor_matrix(device))
             t1 = clock(device)
-            logits, _ = target_forward(model, ids, cache, positions, mask)
+            output = forward([segment])[0]
             t2 = clock(device)
-            greedy_accept(tree, logits)
+            greedy_accept(tree, output.logits)
             t3 = clock(device)
             # The deepest node's path: on a bushy tree not the first nodes, so entries move.
-            keep_cache_entries(cache, context_len, tree.path_to(len(tree) - 1))
+            forward.keep(sequence, context_len, tree.path_to(len(tree) - 1))
             t4 = clock(device)
-            cache.crop(context_len - cache.get_seq_length())  # minus the count to remove
+            forward.keep(sequence, context_len, [])
             if repeat > 0:  # the first round is a warm-up
                 for part, seconds in zip(times[size], (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
                                          strict=True):
@@ -109,7 +108,7 @@ def loop_parts(model: torch.nn.Module, sizes: tuple[int, ...], context_len: int,
             for size, parts in times.items()}
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the reference output: drafts its next `depth` tokens as the second of `width`
     branches, the others random decoys (so the accepted path is never the first nodes)."""
 

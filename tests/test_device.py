@@ -112,7 +112,17 @@ def test_the_runner_and_server_make_their_prompt_on_the_models_device(default_ta
     with StrayTensorRecorder(default_target.device) as recorder:
         for method in ("ar", "pld"):
             MethodRunner(default_target, method, settings).generate([1, 2, 3, 4])
-        engine.generate(Job([1, 2, 3, 4], Plan("pld", PromptLookupDrafter(), settings), loop))
+        engine.start()  # the worker thread runs the batched loop on the model's device
+        job = Job([1, 2, 3, 4], Plan("pld", PromptLookupDrafter(), settings), loop)
+        engine.submit(job)
+
+        async def until_done() -> str:
+            while (kind := (await job.events.get())[0]) not in ("done", "error"):
+                pass
+            return kind
+
+        assert loop.run_until_complete(asyncio.wait_for(until_done(), 120)) == "done"
+        engine.stop()
     loop.close()
     assert recorder.strays == []
 

@@ -102,8 +102,7 @@ def replay(refs: list[Reference], propose: Propose, drafter=None, evict_bytes: i
             accepted = accepted_length(tree, ref.ids[i + 1 :])
             steps.append((tree.num_drafted, accepted))
             i += accepted + 1
-        if hasattr(drafter, "observe"):
-            drafter.observe(ref.ids[: ref.prompt_len], ref.ids[ref.prompt_len :])
+        drafter.observe(ref.ids[: ref.prompt_len], ref.ids[ref.prompt_len :])
     return steps, seconds
 
 

@@ -17,7 +17,6 @@ from dresd.cli.options import (
     add_save_outputs_option,
     check_datastore_arg,
     check_limit,
-    check_prompt_fits,
     drafter_options,
     load_target_from_args,
     output_origin,
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
                   for p in prompts]
     for ids in prompt_ids:  # before any method runs: a run does not end halfway on one
-        check_prompt_fits(runners[0], ids)
+        runners[0].check_fits(ids)
     meta = bench_metadata(target, runners, settings, args.dataset, len(prompts), args.datastore)
     # Ctrl-C or `kill -INT` ends the run with a partial report, also where the shell that
     # started us in the background made it ignore SIGINT (Python then installs no handler).

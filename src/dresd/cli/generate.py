@@ -14,7 +14,6 @@ from dresd.cli.options import (
     add_model_options,
     add_save_outputs_option,
     check_datastore_arg,
-    check_prompt_fits,
     drafter_options,
     load_target_from_args,
     output_origin,
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     made_by = output_origin(target)
     for prompt in prompts:
         prompt_ids = encode_prompt(target.tokenizer, prompt, not args.no_chat_template)
-        check_prompt_fits(runner, prompt_ids)
+        runner.check_fits(prompt_ids)
         result = runner.generate(prompt_ids)
         record = result_record(runner, result)
         if args.save_outputs is not None:

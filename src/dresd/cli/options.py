@@ -28,7 +28,7 @@ from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from dresd.host import native_bf16_flags
 from dresd.models import DEFAULT_MODEL, Target, load_target
 from dresd.raypool import RayPool
-from dresd.runner import GenerationSettings, MethodRunner
+from dresd.runner import GenerationSettings
 
 
 def finite_float(text: str) -> float:
@@ -161,23 +161,11 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
         raise UserError("--top-p and --top-k apply to sampling: also give --temperature > 0")
     sampling = None
     if args.temperature > 0:
-        try:  # SamplingConfig checks top-k and top-p itself, with ValueError (library callers)
-            sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-        except ValueError as err:
-            raise UserError(str(err)) from err
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     set_threads(args)
     return GenerationSettings(args.max_new_tokens, sampling, list(args.stop))
-
-
-def check_prompt_fits(runner: MethodRunner, prompt_ids: list[int]) -> None:
-    """A prompt that fills the model's context is refused as the user's error (the runner says
-    so with a ValueError: it serves library callers too)."""
-    try:
-        runner.check_fits(prompt_ids)
-    except ValueError as err:
-        raise UserError(str(err)) from err
 
 
 def check_datastore_arg(args: argparse.Namespace) -> None:

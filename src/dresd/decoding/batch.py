@@ -325,11 +325,9 @@ class BatchEngine:
     def _finish(self, state: Running) -> None:
         self.running.remove(state)
         result = state.result
-        observe = getattr(state.request.drafter, "observe", None)
-        # a drafter that learns keeps what the model said
-        if observe is not None and state.states and state.error is None:
+        if state.states and state.error is None:  # a drafter that learns keeps what was said
             states = torch.cat(state.states)[: len(result.token_ids)]
-            observe(list(state.request.prompt), result.token_ids, states)
+            state.request.drafter.observe(list(state.request.prompt), result.token_ids, states)
         result.num_target_forwards = (1 if state.query is not None else 0) + len(result.steps)
         if result.top2_logits is not None:  # rows past a stop were computed, not emitted
             del result.top2_logits[len(result.token_ids):]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dresd.errors import UserError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -21,11 +23,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
+            raise UserError(f"temperature must be > 0 for sampling, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The generator of every sample, on the device the probabilities live on (a CUDA

@@ -34,6 +34,7 @@ from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request, Running
 from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, NoDrafter, make_drafter
+from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
 from dresd.runner import AR, GenerationSettings
@@ -58,7 +59,7 @@ DATASTORE_METHODS = {"dresd": "dense", "rest": "sparse"}
 OPTIONAL_DATASTORE_METHODS = ("hybrid",)
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request the server refuses; `status` is the HTTP status (400, 404, 503)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
