@@ -139,16 +139,26 @@ def test_the_api_key_is_checked_on_every_replica(deployment):
 
 
 def test_each_replica_saves_its_outputs_for_build_append(deployment, default_target, tmp_path):
-    """What the replicas generated, appended to a datastore, is retrieved from it after."""
+    """What the replicas generated, appended to a datastore, is retrieved from it after: REST
+    on the grown store drafts a served prompt's answer, and needs fewer forwards for it."""
     from dresd.corpus import CorpusSpec
     from dresd.datastore.append import append_to_datastore
     from dresd.datastore.format import read_manifest
     from dresd.datastore.sparse_store import build_sparse_datastore
+    from dresd.prompts import encode_prompt
+    from dresd.runner import GenerationSettings, MethodRunner
+
+    def forwards(store) -> int:
+        """Target forwards of `dresd generate --method rest` on QUESTIONS[0] with `store`."""
+        runner = MethodRunner(default_target, "rest", GenerationSettings(MAX_TOKENS, None, []),
+                              datastore=str(store), max_tree_nodes=16)
+        prompt_ids = encode_prompt(default_target.tokenizer, QUESTIONS[0], True)
+        return runner.generate(prompt_ids).num_target_forwards
 
     url, saved = deployment
     answered = set()
     for prompt in QUESTIONS * 2:  # until both replicas have generated (alone, this test too)
-        if len(answered) == 2:
+        if len(answered) == 2 and prompt != QUESTIONS[0]:
             break
         answered.add(streamed_chat(url, prompt)[2])
     files = sorted(saved.parent.glob(f"{saved.stem}.*{saved.suffix}"))
@@ -159,10 +169,14 @@ def test_each_replica_saves_its_outputs_for_build_append(deployment, default_tar
     seed.write_text(json.dumps({"prompt": "Hello?", "response": "Hello there."}) + "\n")
     store = build_sparse_datastore(default_target, CorpusSpec([str(seed)]), tmp_path / "store",
                                    progress=False)
-    before = read_manifest(store).num_documents
+    before, forwards_before = read_manifest(store).num_documents, forwards(store)
     append_to_datastore(default_target, CorpusSpec([str(path) for path in files]), store,
                         progress=False)
     assert read_manifest(store).num_documents == before + len(rows)
+    forwards_after = forwards(store)
+    print(f"REST forwards for a served prompt: {forwards_before} before the append, "
+          f"{forwards_after} after")
+    assert forwards_after < forwards_before  # the served answer is drafted from the store
 
 
 def test_a_killed_replica_fails_its_stream_and_the_other_answers(deployment):
