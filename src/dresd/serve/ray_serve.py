@@ -176,8 +176,11 @@ def build_replica_app(args: argparse.Namespace, build_app: BuildApp, model_name:
     metrics = ReplicaMetrics(model_name, replica, board)
 
     async def metrics_text() -> str:
-        metrics.report()  # this replica's own figures are current; the board keeps call order
-        return render_pooled(model_name, await board.get.remote(), time.time())
+        try:
+            metrics.report()  # this replica's own figures are current; the board keeps order
+            return render_pooled(model_name, await board.get.remote(), time.time())
+        except Exception:  # noqa: BLE001 - the board died with its driver: this replica alone
+            return metrics.render(*metrics.gauges())
 
     app, engine = build_app(args, metrics=metrics, metrics_text=metrics_text)
     metrics.gauges = lambda: (engine.running, engine.waiting)
