@@ -174,3 +174,21 @@ def invariant_linears(model: torch.nn.Module) -> int:
                 setattr(module, name, InvariantLinear.from_module(child))
                 replaced += 1
     return replaced
+
+
+def share_storage(fused: InvariantLinear, modules: list[InvariantLinear]) -> bool:
+    """Make `modules` (the parts `fuse` stacked into `fused`) read their packed weights from
+    `fused`'s buffer instead of their own copies; True if they now do. Possible where every
+    part fills whole panels (out_features a multiple of PANEL): the fused packed buffer is
+    then the parts' packed buffers one after another."""
+    if any(module.out_features % PANEL for module in modules):
+        return False
+    offset = 0
+    for module in modules:
+        size = module.packed_weight.numel()
+        view = fused.packed_weight[offset:offset + size]
+        if not torch.equal(view, module.packed_weight):  # the layout is what `pack` says
+            return False
+        module.packed_weight = view
+        offset += size
+    return True

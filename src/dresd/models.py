@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.cpu_linear import invariant_linears
 from dresd.device import resolve_device
 from dresd.errors import DresdError
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
@@ -149,8 +150,10 @@ def load_target(
     `device`: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`
     (`device.resolve_device`; CUDA asked for but not usable is an error, never a CPU run).
     `dtype`: a torch dtype or a --dtype name; `auto` is bf16 where the device multiplies it
-    natively and fp32 elsewhere (`fastpath.resolve_dtype`). `prepack`: on a CPU, reorder the
-    linear layers' weights once for oneDNN (`fastpath.prepack_linears`), a faster forward.
+    natively and fp32 elsewhere (`fastpath.resolve_dtype`). `prepack`: on a CPU, lay the
+    linear layers' weights out once for a faster forward: for dresd's own bf16 kernel
+    (`cpu_linear.invariant_linears`) where the CPU has AVX-512 bf16, else for oneDNN
+    (`fastpath.prepack_linears`).
     The datastore fingerprint is taken from the checkpoint's own weights before the cast, so
     that a datastore serves the same checkpoint in any dtype.
     """
@@ -174,8 +177,10 @@ def load_target(
     model.eval()
     model._dresd_fingerprint = model_fingerprint(model)
     model.to(device=device, dtype=dtype)
-    # Batch invariance needs both: packed linears and float64-accumulated attention. Both are
-    # CPU-only: on a GPU (or in fp16) prepack_linears packs nothing and SDPA stays.
-    if prepack and prepack_linears(model):
+    # Batch invariance needs both: row-invariant linears and attention. Both are CPU-only: on a
+    # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes
+    # dresd's own linear kernel (cpu_linear.c: any row count, half oneDNN's decode time here),
+    # anything else oneDNN's packed matmul (row-invariant from two rows up, fastpath.py).
+    if prepack and (invariant_linears(model) or prepack_linears(model)):
         use_invariant_attention(model)
     return Target(model=model, tokenizer=tokenizer, name=name)

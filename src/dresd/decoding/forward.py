@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from dresd.cpu_linear import InvariantLinear, fuse, share_storage
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.kv_cache import SequenceKV
 
@@ -115,6 +116,12 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
         self.mask_value = torch.finfo(self.dtype).min
+        # On dresd's linear kernel, projections that read the same input run as one matmul:
+        # q, k, v (sizes `qkv_sizes`) and the MLP's gate and up. Each output is the same sum in
+        # the same order either way (cpu_linear.fuse), so this changes no bit, only the calls.
+        self.qkv_sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                          self.kv_heads * self.head_dim)
+        self.fused = [fuse_layer(layer) for layer in self.decoder.layers]
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -157,9 +164,14 @@ class LlamaForward:
         for index, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
             normed = layer.input_layernorm(hidden)
-            query = attn.q_proj(normed).view(-1, self.heads, self.head_dim)
-            key = attn.k_proj(normed).view(-1, self.kv_heads, self.head_dim)
-            value = attn.v_proj(normed).view(-1, self.kv_heads, self.head_dim)
+            fused = self.fused[index]
+            if fused is not None:
+                query, key, value = fused.qkv(normed).split(self.qkv_sizes, dim=-1)
+            else:
+                query, key, value = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+            query = query.reshape(-1, self.heads, self.head_dim)
+            key = key.reshape(-1, self.kv_heads, self.head_dim)
+            value = value.reshape(-1, self.kv_heads, self.head_dim)
             # Rotary embedding, the expression transformers evaluates (rotate_half inlined).
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
@@ -175,12 +187,37 @@ class LlamaForward:
                                         values, mask, dropout=0.0, scaling=attn.scaling)
                 mixed[first:last] = out[0]  # [t, heads, head_dim]
             hidden = hidden + attn.o_proj(mixed.view(hidden.shape[0], -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            normed = layer.post_attention_layernorm(hidden)
+            if fused is not None:  # transformers' MLP: down(act(gate(x)) * up(x))
+                gate, up = fused.gate_up(normed).chunk(2, dim=-1)
+                hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(normed)
 
         hidden = self.decoder.norm(hidden)
         for segment in segments:
             segment.sequence.length = segment.start + len(segment)
         return _split_outputs(self.model, segments, bounds, hidden)
+
+
+@dataclass
+class FusedProjections:
+    qkv: InvariantLinear  # [q | k | v] outputs
+    gate_up: InvariantLinear  # [gate | up] outputs
+
+
+def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
+    """A decoder layer's q/k/v and gate/up as two fused kernel linears, or None where its
+    projections are not on dresd's linear kernel. The separate modules then read their
+    weights from the fused ones (`cpu_linear.share_storage`): no weight is held twice."""
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
+    if not all(isinstance(module, InvariantLinear) for group in parts for module in group):
+        return None
+    qkv, gate_up = (fuse(group) for group in parts)
+    for fused, group in zip((qkv, gate_up), parts, strict=True):
+        share_storage(fused, group)
+    return FusedProjections(qkv, gate_up)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
