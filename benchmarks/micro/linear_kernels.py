@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 from pathlib import Path
 from time import perf_counter
 
@@ -52,6 +55,35 @@ SWEEP_BYTES = 128 << 20  # weights per sweep: past any L3 this machine has
 MAX_CALL_MACS = 4e8  # fewer copies per sweep where one call is compute-bound
 
 
+READ_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+/* Sums 64-byte words of `bytes` bytes with four independent chains: a pure read stream. */
+int64_t read_all(const char *data, int64_t bytes) {
+    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int64_t i = 0; i + 256 <= bytes; i += 256)
+        for (int part = 0; part < 4; part++)
+            sum[part] = _mm512_add_epi64(sum[part], _mm512_loadu_si512(data + i + 64 * part));
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(sum[0], sum[1]),
+                                                    _mm512_add_epi64(sum[2], sum[3])));
+}
+"""
+
+
+def read_stream() -> ctypes.CDLL:
+    """One core reading memory as fast as it can: the floor a weight stream is measured
+    against (compiled here, into a temporary folder)."""
+    folder = Path(tempfile.mkdtemp())
+    (folder / "read.c").write_text(READ_SOURCE)
+    subprocess.run(["cc", "-O2", "-march=native", "-shared", "-fPIC", "-o",
+                    str(folder / "read.so"), str(folder / "read.c")], check=True)
+    library = ctypes.CDLL(str(folder / "read.so"))
+    library.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.read_all.restype = ctypes.c_int64
+    return library
+
+
 def weight_copies(k: int, n: int, rows: int) -> int:
     by_bytes = max(2, SWEEP_BYTES // (2 * k * n))
     by_time = max(2, int(MAX_CALL_MACS // (rows * k * n) * 8))
@@ -69,6 +101,8 @@ def sweep_seconds(modules: list[torch.nn.Module], x: torch.Tensor) -> float:
 def bench_shapes(repeats: int) -> list[dict]:
     rows_out = []
     generator = torch.Generator().manual_seed(0)
+    reader = read_stream()
+    stream = torch.zeros(SWEEP_BYTES, dtype=torch.uint8)
     for name, (k, n) in SHAPES.items():
         copies = weight_copies(k, n, 1)
         linears = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
@@ -83,11 +117,18 @@ def bench_shapes(repeats: int) -> list[dict]:
                 times = {"onednn": [], "ours": []}
                 for modules in (onednn, ours):
                     sweep_seconds(modules[:used], x)  # warm-up
+                reads = []
                 for _ in range(repeats):
                     for variant, modules in (("onednn", onednn), ("ours", ours)):
                         times[variant].append(sweep_seconds(modules[:used], x))
+                    if rows == 1 and threads == 1:  # the one-core floor, in the same loop
+                        start = perf_counter()
+                        reader.read_all(stream.data_ptr(), stream.numel())
+                        reads.append(stream.numel() / (perf_counter() - start) / 1e9)
                 result = {"shape": name, "k": k, "n": n, "rows": rows, "threads": threads,
                           "copies": used}
+                if reads:
+                    result["read_gbps"] = statistics.median(reads)
                 for variant, seconds in times.items():
                     median = statistics.median(seconds)
                     result[f"{variant}_us"] = median * 1e6
@@ -96,7 +137,9 @@ def bench_shapes(repeats: int) -> list[dict]:
                 speedup = result["onednn_us"] / result["ours_us"]
                 print(f"{name:20s} M={rows:3d} t={threads}  oneDNN {result['onednn_us']:9.1f} us"
                       f" {result['onednn_gbps']:5.1f} GB/s   ours {result['ours_us']:9.1f} us"
-                      f" {result['ours_gbps']:5.1f} GB/s   x{speedup:.2f}", flush=True)
+                      f" {result['ours_gbps']:5.1f} GB/s   x{speedup:.2f}"
+                      + (f"   (one core reads {result['read_gbps']:.1f} GB/s)"
+                         if reads else ""), flush=True)
         del onednn, ours
     return rows_out
 
@@ -256,6 +299,10 @@ def write_markdown(report: dict, path: Path) -> None:
         "descheduled thread; the ratios come from interleaved runs.",
         "",
         "## Per shape",
+        "",
+        "One core's plain read stream, measured in the same loop as each shape's M = 1, "
+        "1-thread runs (a C loop summing 128 MB): " + ", ".join(
+            f"{r['read_gbps']:.1f}" for r in report["shapes"] if "read_gbps" in r) + " GB/s.",
         "",
         "| shape | M | threads | oneDNN us | oneDNN GB/s | ours us | ours GB/s | speedup |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

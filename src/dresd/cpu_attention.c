@@ -274,7 +274,8 @@ int dresd_attention_batch(int segments, const uint16_t *query, int64_t query_row
     for (int s = 0; s < segments; s++) longest = lengths[s] > longest ? lengths[s] : longest;
     size_t bytes = (scratch_floats(longest, dim) * sizeof(float) + 63) / 64 * 64;
     int items = segments * kv_heads;
-#pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    if (threads > items) threads = items; /* an idle thread would only add to the join */
+#pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *scratch = aligned_alloc(64, bytes);
         if (!scratch) {
