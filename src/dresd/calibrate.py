@@ -135,12 +135,13 @@ def timed_verify(model: torch.nn.Module, cache: tuple[Forward, object], tree: Dr
 
 
 def curve_path(target: Target) -> Path:
-    """Where the curve of this model, dtype, thread count and device is cached. A GPU's key
-    names the GPU (`cuda-NVIDIA-H200`): another card has another curve."""
+    """Where the curve of this model, dtype, linear kernels, thread count and device is cached.
+    A GPU's key names the GPU (`cuda-NVIDIA-H200`): another card has another curve."""
     device = target.device.type
     if device == "cuda":
         device += "-" + re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(target.device))
-    name = (f"{model_fingerprint(target.model)[:16]}-{dtype_name(target.dtype)}-"
+    linears = re.sub(r"[^A-Za-z0-9]+", "-", target.linears)
+    name = (f"{model_fingerprint(target.model)[:16]}-{dtype_name(target.dtype)}-{linears}-"
             f"{torch.get_num_threads()}threads-{device}.json")
     return cache_dir() / "calibration" / name
 

@@ -115,7 +115,6 @@ def prepack_linears(model: torch.nn.Module) -> int:
             if isinstance(child, torch.nn.Linear):
                 setattr(module, name, PackedLinear(child))
                 packed += 1
-    model._dresd_prepacked = True
     return packed
 
 

@@ -45,6 +45,9 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    # what runs its linear layers: "C kernel" (cpu_linear.py), "oneDNN packed" (fastpath.py)
+    # or "plain" (transformers' own); the verify-cost curve depends on it
+    linears: str = "plain"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,6 +184,11 @@ def load_target(
     # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes
     # dresd's own linear kernel (cpu_linear.c: any row count, half oneDNN's decode time here),
     # anything else oneDNN's packed matmul (row-invariant from two rows up, fastpath.py).
-    if prepack and (invariant_linears(model) or prepack_linears(model)):
+    linears = "plain"
+    if prepack and invariant_linears(model):
+        linears = "C kernel"
+    elif prepack and prepack_linears(model):
+        linears = "oneDNN packed"
+    if linears != "plain":
         use_invariant_attention(model)
-    return Target(model=model, tokenizer=tokenizer, name=name)
+    return Target(model=model, tokenizer=tokenizer, name=name, linears=linears)

@@ -35,7 +35,7 @@ def bench_metadata(target: Target, runners: list[MethodRunner], settings: Genera
         "threads": torch.get_num_threads(),
         "dtype": dtype_name(target.dtype),
         "device": device_name(target.device),
-        "prepacked": bool(getattr(target.model, "_dresd_prepacked", False)),
+        "linears": target.linears,
         "attention": attention_name(target.model),
         "cpu": cpu_model(),
         "cpu_native_bf16": native_bf16_flags(),
