@@ -11,7 +11,14 @@ from test_batch import run_batched
 from test_lossless_greedy import reference_greedy, varied_prompts
 
 from dresd.decoding.batch import Request
-from dresd.decoding.budget import AcceptanceEstimates, batch_budget, restrict
+from dresd.decoding.budget import (
+    PROBE_EVERY,
+    WARMUP_STEPS,
+    AcceptanceEstimates,
+    DraftingLedger,
+    batch_budget,
+    restrict,
+)
 from dresd.decoding.tree import DraftTree
 
 
@@ -116,3 +123,24 @@ def test_a_cost_that_never_pays_is_plain_decoding(tiny):
     assert all(step.num_drafted == 0 for step in result.steps)
     torch.testing.assert_close(torch.tensor(len(result.steps) + 1.0),
                                torch.tensor(float(len(result.token_ids))))
+
+
+def test_the_ledger_drafts_while_drafting_pays_and_probes_when_it_does_not():
+    def cost(rows: int) -> float:
+        return 1.0 + 0.1 * (rows - 1)
+
+    ledger = DraftingLedger()
+    ledger.record_forward(0.020, 1.0)  # a one-token step: 20 ms
+    assert ledger.worth_drafting("slow", 1, 1, cost)  # no record yet
+    for _ in range(WARMUP_STEPS):
+        ledger.record_draft("slow", 0, 0.005)  # 5 ms of drafting for nothing accepted
+        ledger.record_draft("fast", 2, 0.001)  # 2 tokens a step for 1 ms
+    assert not ledger.worth_drafting("slow", 1, 1, cost)
+    assert ledger.worth_drafting("slow", PROBE_EVERY, 1, cost)  # a probe step
+    assert ledger.worth_drafting("fast", 1, 1, cost)
+    # 32 sequences: the batch makes 32 / (4.1 * 20 ms) = 390 tokens/s without drafts, so
+    # 2 tokens in 1 ms (2000/s) still pay, 2 tokens in 10 ms (200/s) no longer do
+    for _ in range(40):
+        ledger.record_draft("fast", 2, 0.010)
+    assert ledger.worth_drafting("fast", 1, 1, cost)
+    assert not ledger.worth_drafting("fast", 1, 32, cost)

@@ -33,7 +33,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dresd.decoding.budget import AcceptanceEstimates, batch_budget, restrict
+from dresd.decoding.budget import (
+    AcceptanceEstimates,
+    DraftingLedger,
+    batch_budget,
+    restrict,
+)
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
@@ -85,6 +90,7 @@ class Running:
     query: torch.Tensor | None = None  # the hidden state that predicted the last token
     tree: DraftTree | None = None  # this step's tree
     draft_seconds: float = 0.0
+    drafted: bool = False  # whether its drafter was consulted this step
     states: list[torch.Tensor] = field(default_factory=list)  # for a drafter that learns
     error: Exception | None = None  # what ended it, where its drafter failed
 
@@ -121,6 +127,7 @@ class BatchEngine:
         self.last_step = (0, 0)  # (sequences, rows) of the last forward
         self.cost = cost
         self.estimates = AcceptanceEstimates()  # learned from every tree verified here
+        self.ledger = DraftingLedger()  # what drafting gains and costs, per method
 
     def add(self, request: Request) -> Running:
         """Queue a request; it joins the batch at a step when there is room."""
@@ -163,6 +170,7 @@ class BatchEngine:
 
         # 1. Every running sequence's rows: a prompt chunk, or its draft tree.
         members, chunks, failed = [], {}, []
+        decoding = sum(not state.prefilling for state in self.running)
         for state in self.running:
             if state.prefilling:
                 if len(chunks) == self.prefill_chunks_per_step:
@@ -170,7 +178,7 @@ class BatchEngine:
                 chunks[id(state)] = self._prompt_chunk(state)
             else:
                 try:
-                    self._draft(state)
+                    self._draft(state, decoding)
                 except Exception as err:  # noqa: BLE001 - a drafter's failure ends its request only
                     state.error, state.result.stop_reason = err, "error"
                     failed.append(state)
@@ -191,6 +199,9 @@ class BatchEngine:
         outputs = self.forward(segments)
         self.steps += 1
         self.last_step = (len(segments), sum(len(segment) for segment in segments))
+        if self.cost is not None:
+            self.ledger.record_forward(clock(self.device) - forward_started,
+                                       self.cost(self.last_step[1]))
 
         finished = failed
         for state, segment, output in zip(members, segments, outputs, strict=True):
@@ -229,15 +240,19 @@ class BatchEngine:
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
                        logits_rows="last" if last else "none")
 
-    def _draft(self, state: Running) -> None:
-        """The drafter's drafts after the sequence's last token, merged into `state.tree`."""
+    def _draft(self, state: Running, decoding: int) -> None:
+        """The drafter's drafts after the sequence's last token, merged into `state.tree`
+        (none where the ledger says drafting does not pay in a step of `decoding` sequences)."""
         request, result = state.request, state.result
         started = clock(self.device)
         max_length = request.max_length or state.prompt_len + request.max_new_tokens
         max_draft_len = min(request.max_new_tokens - len(result.token_ids) - 1,
                             max_length - state.n)
+        state.drafted = max_draft_len > 0 and (
+            self.cost is None or not request.budget or self.ledger.worth_drafting(
+                request.drafter.name, len(result.steps), decoding, self.cost))
         drafts = []
-        if max_draft_len > 0:
+        if state.drafted:
             context = DraftContext(state.context[: state.n], state.query, max_draft_len)
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
         if not self.tree_attention:
@@ -284,6 +299,9 @@ class BatchEngine:
                                           state.generator)
         self._record_top2(state, output.logits[path])  # the rows that chose each token
         self.estimates.observe(state.request.drafter.name, tree, path)
+        if state.drafted:
+            self.ledger.record_draft(state.request.drafter.name, len(path) - 1,
+                                     state.draft_seconds)
         # 4. Only the accepted path stays in the cache; its last state is the next query.
         self.forward.keep(state.cache, segment.start, path)
         state.query = output.hidden[path[-1]]

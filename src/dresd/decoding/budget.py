@@ -13,6 +13,18 @@ node v pays when the tokens it is expected to add beat what its row costs the wh
     S*         = argmax over S = the k highest-reach nodes of every tree together, k = 0, 1, ..
                  of expected tokens / cost(fixed rows + k)
 
+Drafting itself takes time, and under load that time is the whole batch's: while one sequence
+drafts, every other waits. So before a sequence drafts, its method's record in this engine
+decides whether drafting pays at all (`DraftingLedger`):
+
+    draft iff  gain(method) / seconds(method)  >=  B / (cost(B) * unit)
+
+gain = accepted draft tokens per drafted step, seconds = its drafting time per step (both
+running averages), B = sequences in the step, unit = seconds per cost unit (the measured
+forward seconds over cost(rows)). The right side is the batch's tokens per second without
+drafts; drafting pays when its tokens come faster than that. A method is always consulted for
+its first steps and every PROBE_EVERY-th step after, so its record stays current.
+
 Sorting every candidate of the batch by reach and taking a prefix keeps each tree closed under
 parents (a child's reach never exceeds its parent's; ties go to the shallower node), so what
 stays is a set of root paths. With k = 0 every sequence is a plain decoding row: a draft that
@@ -102,3 +114,44 @@ def restrict(tree: DraftTree, kept: set[int]) -> DraftTree:
         if parent >= 0:
             pruned.children[index[parent]][tree.tokens[old]] = index[old]
     return pruned
+
+
+WARMUP_STEPS = 4  # a method drafts at its first steps in an engine, whatever its record
+PROBE_EVERY = 8  # and at every 8th step of a sequence, so that its record stays current
+AVERAGE_WEIGHT = 0.1  # weight of the newest step in the running averages
+
+
+class DraftingLedger:
+    """Per method: how many draft tokens a drafted step gains and how long drafting takes,
+    and the seconds one unit of the cost curve takes on this machine now."""
+
+    def __init__(self) -> None:
+        self.gain: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
+        self.steps: dict[str, int] = defaultdict(int)
+        self.unit_seconds: float | None = None
+
+    @staticmethod
+    def _average(table: dict[str, float], key: str, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + AVERAGE_WEIGHT * (value - old)
+
+    def record_draft(self, method: str, accepted: int, seconds: float) -> None:
+        self.steps[method] += 1
+        self._average(self.gain, method, accepted)
+        self._average(self.seconds, method, seconds)
+
+    def record_forward(self, seconds: float, cost_units: float) -> None:
+        unit = seconds / cost_units
+        self.unit_seconds = unit if self.unit_seconds is None else (
+            self.unit_seconds + AVERAGE_WEIGHT * (unit - self.unit_seconds))
+
+    def worth_drafting(self, method: str, sequence_step: int, batch: int,
+                       cost: Callable[[int], float]) -> bool:
+        """Whether a sequence of `method` drafts at its `sequence_step`-th step in a step of
+        `batch` sequences (the rule in the module doc)."""
+        if (self.steps[method] < WARMUP_STEPS or sequence_step % PROBE_EVERY == 0
+                or self.unit_seconds is None):
+            return True
+        seconds = max(self.seconds[method], 1e-9)
+        return self.gain[method] * cost(batch) * self.unit_seconds >= batch * seconds
