@@ -3,8 +3,8 @@
     --methods 'ar,pld,dresd[max_tree_nodes=2,k=20],rest[max_tree_nodes=2]'
 
 Each entry is a method with, optionally, drafter options in brackets (the drafter's field
-names, numbers only), so that one run compares several shapes of the same method; the entry as
-written is its label in the report.
+names, numbers only, and `budget=0` for a fixed shape), so that one run compares several
+shapes of the same method; the entry as written is its label in the report.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ METHODS = [AR, *DRAFTERS]  # every --method: the reference, then each drafter
 
 # Drafter fields a --methods entry cannot set: they are objects, or shared by the whole run.
 NOT_PER_METHOD = ("datastore", "name", "model", "cost")
+# Options of the loop rather than the drafter: `budget=0` verifies the drafts as drafted
+# (`--no-budget`), e.g. `dresd[budget=0]`, DReSD at the paper's shape.
+LOOP_OPTIONS = ("budget",)
 
 
 def parse_methods(text: str) -> list[tuple[str, str, dict]]:
@@ -32,6 +35,7 @@ def parse_methods(text: str) -> list[tuple[str, str, dict]]:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         fields = getattr(DRAFTERS.get(method), "__dataclass_fields__", {})
         known = [k for k, f in fields.items() if f.init and k not in NOT_PER_METHOD]
+        known += list(LOOP_OPTIONS) if method != AR else []
         options = {}
         for item in filter(None, inside.rstrip("]").split(",")):
             key, equals, value = item.partition("=")

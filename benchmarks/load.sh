@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The batched engine's figures (README "Under load"), about 15 minutes on 2 cores:
+#   1. every method under load: dresd bench --concurrency 1,4,16,32 on 32 GSM8K questions
+#      (results/concurrency/gsm8k/concurrency.md, .json, .png);
+#   2. the server under 16 streaming clients, hybrid, against single-stream AR in the same run
+#      (results/serve.md, .json);
+#   3. DReSD at its default (the step budget) against AR and against the paper's fixed shape,
+#      single-stream, on GSM8K (the store's own domain), MT-Bench and HumanEval (out of it):
+#      the promise that no method is slower than plain decoding by default
+#      (results/dresd_default/<set>/report.md).
+# One PyTorch thread; the datastore is make demo's (400 GSM8K answers), built here if absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DRESD=.venv/bin/dresd
+STORE=runs/demo-gsm8k-store
+RESULTS=benchmarks/results
+export OMP_NUM_THREADS=1
+
+if [ ! -f "$STORE/manifest.json" ]; then
+  $DRESD build --kind dense,sparse --corpus ../shared/data/gsm8k/train.jsonl \
+    --prompt-field question --response-field answer --limit 400 --out "$STORE"
+fi
+
+$DRESD bench --methods ar,pld,suffix,hybrid --dataset gsm8k --limit 32 --max-new-tokens 64 \
+  --threads 1 --concurrency 1,4,16,32 --out "$RESULTS/concurrency/gsm8k"
+
+PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --clients 16 --rounds 2 \
+  --max-tokens 64 --method hybrid --threads 1 --out "$RESULTS/serve"
+
+for set in gsm8k mt_bench humaneval; do
+  $DRESD bench --methods 'ar,dresd,dresd[budget=0]' --datastore "$STORE" --dataset "$set" \
+    --limit 8 --max-new-tokens 96 --threads 1 --out "$RESULTS/dresd_default/$set"
+done
