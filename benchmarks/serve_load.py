@@ -135,7 +135,7 @@ def markdown(report: dict) -> str:
         if phase not in report:
             continue
         f = report[phase]
-        clients = 1 if phase == "sequential" else report["clients"]
+        clients = 1 if phase.startswith("sequential") else report["clients"]
         rows.append(f"| {phase} | {clients} | {f['requests']} | {f['completion_tokens']} | "
                     f"{f['ttft_p50_s']:.2f} | {f['ttft_p99_s']:.2f} | {f['latency_p50_s']:.2f} | "
                     f"{f['latency_p99_s']:.2f} | {f['tokens_per_s']:.1f} | "
