@@ -299,9 +299,12 @@ class BatchEngine:
                                           state.generator)
         self._record_top2(state, output.logits[path])  # the rows that chose each token
         self.estimates.observe(state.request.drafter.name, tree, path)
-        if state.drafted:
+        if state.drafted and self.cost is not None:  # what drafting cost: itself, its rows
+            rows = self.last_step[1]
+            row_seconds = (self.cost(rows) - self.cost(rows - tree.num_drafted)) * (
+                self.ledger.unit_seconds or 0.0)
             self.ledger.record_draft(state.request.drafter.name, len(path) - 1,
-                                     state.draft_seconds)
+                                     state.draft_seconds + row_seconds)
         # 4. Only the accepted path stays in the cache; its last state is the next query.
         self.forward.keep(state.cache, segment.start, path)
         state.query = output.hidden[path[-1]]

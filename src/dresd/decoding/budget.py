@@ -19,8 +19,9 @@ decides whether drafting pays at all (`DraftingLedger`):
 
     draft iff  gain(method) / seconds(method)  >=  B / (cost(B) * unit)
 
-gain = accepted draft tokens per drafted step, seconds = its drafting time per step (both
-running averages), B = sequences in the step, unit = seconds per cost unit (the measured
+gain = accepted draft tokens per drafted step, seconds = its drafting time per step plus what
+its draft rows added to the forward (cost(R) - cost(R - drafted rows), in seconds; both running
+averages), B = sequences in the step, unit = seconds per cost unit (the measured
 forward seconds over cost(rows)). The right side is the batch's tokens per second without
 drafts; drafting pays when its tokens come faster than that. A method is always consulted for
 its first steps and every PROBE_EVERY-th step after, so its record stays current.

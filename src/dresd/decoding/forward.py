@@ -37,9 +37,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from dresd import cpu_attention
 from dresd.cpu_linear import InvariantLinear, fuse, share_storage
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.kv_cache import SequenceKV
+from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
 
 
 @dataclass
@@ -115,6 +117,9 @@ class LlamaForward:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.attention = ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
+        self.invariant_kernel = (config._attn_implementation == INVARIANT_ATTENTION
+                                 and self.device.type == "cpu"
+                                 and cpu_attention.takes(self.dtype, self.head_dim))
         self.mask_value = torch.finfo(self.dtype).min
         # On dresd's linear kernel, projections that read the same input run as one matmul:
         # q, k, v (sizes `qkv_sizes`) and the MLP's gate and up. Each output is the same sum in
@@ -160,6 +165,11 @@ class LlamaForward:
             bounds.append(bounds[-1] + len(segment))
             segment.sequence.reserve(segment.start + len(segment))
         masks = [self._mask(segment) for segment in segments]
+        # The batch-invariant C attention takes every segment in one call where each would
+        # take it alone (`fastpath.invariant_attention`: up to INVARIANT_MAX_ROWS rows; longer
+        # prompt chunks go to SDPA there, and must here too, for the same bits).
+        one_kernel_call = (self.invariant_kernel and len(segments) > 1
+                           and all(len(s) <= INVARIANT_MAX_ROWS for s in segments))
 
         for index, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
@@ -177,15 +187,23 @@ class LlamaForward:
             key = key * cos + _rotate_half(key) * sin
             mixed = torch.empty(hidden.shape[0], self.heads, self.head_dim, dtype=self.dtype,
                                 device=self.device)
-            for segment, mask, first, last in zip(segments, masks, bounds[:-1], bounds[1:],
-                                                  strict=True):
+            views = []
+            for segment, first, last in zip(segments, bounds[:-1], bounds[1:], strict=True):
                 cache = segment.sequence
-                end = segment.start + len(segment)
                 cache.write(index, segment.start, key[first:last], value[first:last])
-                keys, values = cache.view(index, end)  # [1, kv_heads, end, head_dim]
-                out, _ = self.attention(attn, query[first:last].transpose(0, 1)[None], keys,
-                                        values, mask, dropout=0.0, scaling=attn.scaling)
-                mixed[first:last] = out[0]  # [t, heads, head_dim]
+                # [1, kv_heads, end, head_dim] each, no copy
+                views.append(cache.view(index, segment.start + len(segment)))
+            if one_kernel_call:  # every segment's attention in one C call, rows as alone
+                cpu_attention.attention_batch(query, bounds, [k for k, _ in views],
+                                              [v for _, v in views], masks, attn.scaling,
+                                              out=mixed)
+            else:
+                for (keys, values), mask, first, last in zip(views, masks, bounds[:-1],
+                                                             bounds[1:], strict=True):
+                    out, _ = self.attention(attn, query[first:last].transpose(0, 1)[None],
+                                            keys, values, mask, dropout=0.0,
+                                            scaling=attn.scaling)
+                    mixed[first:last] = out[0]  # [t, heads, head_dim]
             hidden = hidden + attn.o_proj(mixed.view(hidden.shape[0], -1))
             normed = layer.post_attention_layernorm(hidden)
             if fused is not None:  # transformers' MLP: down(act(gate(x)) * up(x))
