@@ -36,6 +36,25 @@ class GenerationSettings:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def make_request(target: Target, prompt_ids: list[int], drafter: Drafter,
+                 settings: GenerationSettings, max_new_tokens: int | None = None,
+                 **fields) -> Request:
+    """The loop's request for one prompt: `settings` on `target` (its EOS tokens, tokenizer
+    and context length), the same for `generate`, `bench` and `serve`. `fields`: the
+    request's other fields (`on_tokens`, `budget`, `record_top2`)."""
+    return Request(
+        prompt=prompt_ids,
+        drafter=drafter,
+        max_new_tokens=max_new_tokens or settings.max_new_tokens,
+        sampling=settings.sampling,
+        eos_token_ids=target.eos_token_ids,
+        stop_strings=settings.stop_strings,
+        tokenizer=target.tokenizer,
+        max_length=target.max_length,
+        **fields,
+    )
+
+
 class MethodRunner:
     """Generates with one method; the same settings make methods comparable."""
 
@@ -82,19 +101,11 @@ class MethodRunner:
 
     def request(self, prompt_ids: list[int], drafter: Drafter | None = None) -> Request:
         """The loop's request for one prompt with this method's settings."""
-        return Request(
-            prompt=prompt_ids,
-            drafter=drafter or self.drafter,
-            max_new_tokens=self.check_fits(prompt_ids),
-            sampling=self.settings.sampling,
-            eos_token_ids=self.target.eos_token_ids,
-            stop_strings=self.settings.stop_strings,
-            tokenizer=self.target.tokenizer,
-            max_length=self.target.max_length,
+        return make_request(
+            self.target, prompt_ids, drafter or self.drafter, self.settings,
+            self.check_fits(prompt_ids), budget=self.budget,
             # the reference keeps its logits' top two, to classify others' divergences
-            record_top2=self.method == AR and self.settings.sampling is None,
-            budget=self.budget,
-        )
+            record_top2=self.method == AR and self.settings.sampling is None)
 
     def batch(self, max_batch_size: int) -> BatchEngine:
         """A batched loop for this method's requests, with its cost curve."""

@@ -37,7 +37,7 @@ from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, NoDrafter, 
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
-from dresd.runner import AR, GenerationSettings
+from dresd.runner import AR, GenerationSettings, make_request
 
 # Drafter options a request may set, with the largest value taken: a bigger draft tree costs
 # every queued request time (each verify forward grows with it), so absurd shapes are refused.
@@ -220,21 +220,12 @@ class Engine:
         return self.jobs.qsize() + self.batch_waiting
 
     def request(self, job: Job) -> Request:
-        """The batched loop's request for a job: `ar` is plain decoding on the same forward."""
-        settings = job.plan.settings
-        return Request(
-            prompt=job.prompt_ids,
-            # its own fork: sequences side by side keep their own per-generation state
-            drafter=job.plan.drafter.fork() if job.plan.drafter else NoDrafter(),
-            max_new_tokens=settings.max_new_tokens,
-            sampling=settings.sampling,
-            eos_token_ids=self.target.eos_token_ids,
-            stop_strings=settings.stop_strings,
-            tokenizer=self.target.tokenizer,
-            max_length=self.target.max_length,
-            on_tokens=job.on_tokens,
-            budget=self.budget,
-        )
+        """The batched loop's request for a job, as `dresd generate` makes it (`ar` is plain
+        decoding on the same forward); its own drafter fork: sequences side by side keep
+        their own per-generation state."""
+        drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
+        return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
+                            on_tokens=job.on_tokens, budget=self.budget)
 
     def batch(self) -> BatchEngine:
         return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,
