@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 
 # The demo: a dense + sparse datastore of 400 GSM8K training answers (built once, a few minutes
 # on 2 cores), then AR, PLD, suffix, REST, DReSD and hybrid side by side on the first GSM8K test
-# questions, DReSD both at the paper's shape and at the 4-node tree that paid best on this CPU
-# (benchmarks/results/fast_path), in the dtype --dtype auto picks.
+# questions, DReSD at its default (the step budget), at the paper's shape (budget=0) and at the
+# 4-node tree (benchmarks/results/fast_path), in the dtype --dtype auto picks.
 DATA       ?= ../shared/data
 DEMO_STORE := runs/demo-gsm8k-store
 DEMO_OUT   := runs/demo
@@ -32,7 +32,7 @@ $(DEMO_STORE)/manifest.json: | model
 		--prompt-field question --response-field answer --limit 400 --out $(DEMO_STORE)
 
 demo: model $(DEMO_STORE)/manifest.json
-	$(BIN)/dresd bench --methods 'ar,pld,suffix,rest[max_tree_nodes=4],dresd,dresd[max_tree_nodes=4],hybrid' \
+	$(BIN)/dresd bench --methods 'ar,pld,suffix,rest[max_tree_nodes=4],dresd,dresd[budget=0],dresd[max_tree_nodes=4],hybrid' \
 		--datastore $(DEMO_STORE) --dataset gsm8k \
 		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
 
