@@ -1,0 +1,99 @@
+"""dresd's plain decoding measured as llama.cpp's `llama-bench` measures tg128, and the table.
+
+    PYTHONPATH=src python benchmarks/peers/decode_step.py --threads 1 --round 1
+    PYTHONPATH=src python benchmarks/peers/decode_step.py --summarize results.jsonl
+
+Measuring: the default model as `dresd generate` loads it (bf16 where the CPU multiplies it
+natively), plain decoding through dresd's loop of 128 tokens after a one-token prompt (llama-bench
+tg128 generates 128 tokens after an empty prompt), 5 timed repetitions after one untimed;
+tokens/s = 128 / seconds of each repetition; one JSON line with their mean and deviation, in
+llama-bench's field names (`n_threads`, `avg_ts`, `stddev_ts`).
+
+Summarizing: llama-bench's and these lines (llama_cpp.sh interleaves them) as a markdown table
+per thread count, the mean of the rounds, and dresd over llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from dresd.decoding.batch import BatchEngine, Request
+from dresd.drafters import NoDrafter
+from dresd.host import cpu_flags, cpu_model
+from dresd.models import load_target
+
+TOKENS = 128
+REPETITIONS = 5
+
+
+def measure(threads: int, round_number: int) -> dict:
+    torch.set_num_threads(threads)
+    target = load_target("default")
+    engine = BatchEngine(target.model, max_batch_size=1)
+    speeds = []
+    for repetition in range(REPETITIONS + 1):
+        state = engine.add(Request(prompt=[1], drafter=NoDrafter(), max_new_tokens=TOKENS))
+        started = time.perf_counter()
+        engine.run()
+        seconds = time.perf_counter() - started
+        assert len(state.result.token_ids) == TOKENS
+        if repetition:  # the first is a warm-up
+            speeds.append(TOKENS / seconds)
+    return {"runner": "dresd", "round": round_number, "n_threads": threads,
+            "avg_ts": statistics.mean(speeds), "stddev_ts": statistics.stdev(speeds),
+            "type_k": str(target.dtype), "linears": target.linears, "cpu_info": cpu_model()}
+
+
+def summarize(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    speeds: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for row in rows:
+        speeds[(row["runner"], int(row["n_threads"]))].append((row["avg_ts"], row["stddev_ts"]))
+    llama = next((r for r in rows if r["runner"] == "llama.cpp"), {})
+    bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags()]
+    lines = [
+        "# dresd beside llama.cpp: plain decoding, tg128",
+        "",
+        f"CPU: {cpu_model()} ({', '.join(bf16) or 'no native bf16'}); "
+        f"llama.cpp {llama.get('build_commit', '?')} (llama-cpp-python 0.3.36's vendored "
+        f"sources), bf16 GGUF converted from the default model; dresd in bf16, "
+        f"{next((r.get('linears') for r in rows if r['runner'] == 'dresd'), '?')} linears. "
+        f"Produced by `bash benchmarks/peers/llama_cpp.sh`: each figure the mean of "
+        f"{len({r['round'] for r in rows})} interleaved rounds of 5 repetitions (± the mean "
+        "deviation within a round).",
+        "",
+        "| threads | llama.cpp tokens/s | dresd ar tokens/s | dresd / llama.cpp |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for threads in sorted({t for _, t in speeds}):
+        theirs, mine = speeds.get(("llama.cpp", threads)), speeds.get(("dresd", threads))
+        if not theirs or not mine:
+            continue
+        their_mean, their_spread = (statistics.mean(column) for column in zip(*theirs, strict=True))
+        my_mean, my_spread = (statistics.mean(column) for column in zip(*mine, strict=True))
+        lines.append(f"| {threads} | {their_mean:.1f} ± {their_spread:.1f} | "
+                     f"{my_mean:.1f} ± {my_spread:.1f} | {my_mean / their_mean:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--round", type=int, default=1)
+    parser.add_argument("--summarize", type=Path, default=None, metavar="JSONL")
+    args = parser.parse_args()
+    if args.summarize is not None:
+        print(summarize(args.summarize), end="")
+        return
+    print(json.dumps(measure(args.threads, args.round)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# llama.cpp beside dresd on this machine: plain decoding of the default model's weights.
+#
+# Installs llama.cpp once, outside the repository ($PEERS, default ~/.cache/dresd/peers): the
+# sources vendored in PyPI's llama-cpp-python source archive, built with CMake (the tools only:
+# its Python bindings segfault on first eval with this vendored version). Converts the default
+# model (dresd's cached fp32 folder) to a bf16 GGUF with llama.cpp's own converter, then runs
+# llama.cpp's `llama-bench` (tg128: 128 tokens generated after an empty prompt, 5 repetitions,
+# mean and deviation, as llama.cpp reports itself) at 1 and 2 threads, interleaved with
+# dresd's own measurement of the same thing (`decode_step.py`: plain decoding, mean tokens/s
+# over 5 repetitions of 128 steps), so that both see the same machine at the same time.
+#
+#   bash benchmarks/peers/llama_cpp.sh          # ~15 min the first time (the build), then ~2
+#
+# Results: benchmarks/results/peers/llama_cpp.md (and .json). Not part of the tests.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PEERS=${PEERS:-$HOME/.cache/dresd/peers}
+VERSION=0.3.36
+SRC=$PEERS/llama_cpp_python-$VERSION/vendor/llama.cpp
+BUILD=$PEERS/llama.cpp-build
+MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
+GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
+OUT=benchmarks/results/peers
+mkdir -p "$PEERS" "$OUT"
+
+REPO=$(pwd)
+if [ ! -x "$BUILD/bin/llama-bench" ]; then
+  if [ ! -d "$PEERS/llama_cpp_python-$VERSION" ]; then
+    "$REPO/.venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" \
+      -d "$PEERS"
+    tar xzf "$PEERS/llama_cpp_python-$VERSION.tar.gz" -C "$PEERS"
+  fi
+  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF > "$PEERS/cmake.log"
+  cmake --build "$BUILD" -j 2 --target llama-bench > "$PEERS/build.log"
+fi
+
+if [ ! -f "$GGUF" ]; then
+  .venv/bin/pip install --quiet sentencepiece
+  .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
+    > "$PEERS/convert.log" 2>&1
+fi
+
+: > "$OUT/llama_cpp.jsonl"
+for round in 1 2; do
+  for threads in 1 2; do
+    "$BUILD/bin/llama-bench" -m "$GGUF" -p 0 -n 128 -r 5 -t "$threads" -o jsonl \
+      | sed "s/^{/{\"runner\": \"llama.cpp\", \"round\": $round, /" >> "$OUT/llama_cpp.jsonl"
+    PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --threads "$threads" \
+      --round "$round" >> "$OUT/llama_cpp.jsonl"
+  done
+done
+PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --summarize \
+  "$OUT/llama_cpp.jsonl" > "$OUT/llama_cpp.md"
+cat "$OUT/llama_cpp.md"
