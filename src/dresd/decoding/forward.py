@@ -6,10 +6,11 @@ token) or a chunk of a new request's prompt. The forward returns, per segment, t
 the last-layer hidden states of its rows.
 
     rows of every segment, concatenated -> embeddings
-    per layer: norm -> q, k, v for all rows at once (one matmul each)
+    per layer: norm -> q, k, v for all rows at once (one fused matmul on dresd's kernel)
                -> each segment's k, v written into its sequence's cache
                -> attention per segment: its rows see its own cache and, within the segment,
-                  their ancestors (tree) or the rows before them (prompt chunk)
+                  their ancestors (tree) or the rows before them (prompt chunk); on the C
+                  attention kernel every segment in one call
                -> output projection, norm, MLP for all rows at once
     final norm -> LM head on the rows whose logits are wanted
 
@@ -20,9 +21,10 @@ the whole cache at every step. Here the rows of every sequence share the matrix 
 preallocated buffer written in place.
 
 Exactness: every operation computes a row from that row alone: the same modules as
-transformers' Llama (RMSNorm, rotary embedding, the packed linears of `fastpath.py`, whose
-rows are batch-invariant) and, per segment, the same attention function the model is set to
-(on a CPU in bf16 the batch-invariant kernel). So a sequence's logits do not depend on which
+transformers' Llama (RMSNorm, rotary embedding, the linears of `cpu_linear.py` or
+`fastpath.py`, whose rows are batch-invariant; fused projections give the separate ones' bits)
+and, per segment, the same attention function the model is set to (on a CPU in bf16 the
+batch-invariant kernel). So a sequence's logits do not depend on which
 other sequences share the forward, and a batch of one computes what transformers computes.
 
 `HFForward` is the fallback for every other architecture: transformers' own forward, one
