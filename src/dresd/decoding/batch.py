@@ -114,7 +114,6 @@ class BatchEngine:
         trees are verified as drafted."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
-        self.model = model
         self.forward = make_forward(model)
         self.device = next(model.parameters()).device
         self.tree_attention = supports_tree_attention(model)

@@ -82,6 +82,17 @@ def _dtype_and_device(model: PreTrainedModel) -> tuple[torch.dtype, torch.device
     return parameter.dtype, parameter.device
 
 
+def additive_mask(start: int, within: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, t, start + t]: 0 where a row may attend, the dtype's lowest value elsewhere.
+    Every row sees the `start` cached entries; among the segment's own rows, those `within`
+    ([t, t] bool) marks."""
+    rows = within.shape[0]
+    allowed = torch.ones(rows, start + rows, dtype=torch.bool, device=within.device)
+    allowed[:, start:] = within
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=within.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 class LlamaForward:
     """Batched forward for Llama-shaped decoders (Llama, Mistral without a sliding window,
     Qwen2): see the module docstring."""
@@ -122,7 +133,6 @@ class LlamaForward:
         self.invariant_kernel = (config._attn_implementation == INVARIANT_ATTENTION
                                  and self.device.type == "cpu"
                                  and cpu_attention.takes(self.dtype, self.head_dim))
-        self.mask_value = torch.finfo(self.dtype).min
         # On dresd's linear kernel, projections that read the same input run as one matmul:
         # q, k, v (sizes `qkv_sizes`) and the MLP's gate and up. Each output is the same sum in
         # the same order either way (cpu_linear.fuse), so this changes no bit, only the calls.
@@ -144,14 +154,10 @@ class LlamaForward:
         rows = len(segment)
         if rows == 1 or (segment.ancestors is None and segment.start == 0):
             return None
-        allowed = torch.ones(rows, segment.start + rows, dtype=torch.bool, device=self.device)
-        if segment.ancestors is None:
-            allowed[:, segment.start:] = torch.ones(rows, rows, dtype=torch.bool,
-                                                    device=self.device).tril()
-        else:
-            allowed[:, segment.start:] = segment.ancestors
-        mask = torch.zeros(rows, segment.start + rows, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, self.mask_value)[None, None]
+        within = segment.ancestors
+        if within is None:  # a prompt chunk: each row sees the rows before it
+            within = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+        return additive_mask(segment.start, within, self.dtype)
 
     @torch.inference_mode()
     def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
@@ -295,11 +301,7 @@ class HFForward:
             rows = len(segment)
             mask = None
             if segment.ancestors is not None:  # a tree; a chain keeps transformers' mask
-                allowed = torch.ones(rows, segment.start + rows, dtype=torch.bool,
-                                     device=self.device)
-                allowed[:, segment.start:] = segment.ancestors
-                mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-                mask = mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+                mask = additive_mask(segment.start, segment.ancestors, self.dtype)
             keep = {"all": 0, "last": 1, "none": 1}[segment.logits_rows]
             out = self.model(
                 input_ids=torch.tensor([segment.token_ids], device=self.device),
