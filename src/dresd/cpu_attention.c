@@ -31,6 +31,7 @@
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t half_vec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -130,17 +131,25 @@ static int weigh_row(float *scores, const uint16_t *mask, int length, int padded
     return 0;
 }
 
+/* 16 bf16 values as floats (exact). */
+static inline vec load_bf16(const uint16_t *from) {
+    half_vec bits;
+    memcpy(&bits, from, sizeof bits);
+    return (vec)(__builtin_convertvector(bits, ivec) << 16);
+}
+
 /* out[i] = sum_j weights[i][j] values[j] / sum_j weights[i][j] for ROWS rows, key by key in the
- * keys' order (the lanes run over the head dimension, BLOCK dimensions at a time); as bf16. */
-static void weigh_values(const float *const weights[ROWS], const float *values, int length,
+ * keys' order (the lanes run over the head dimension, BLOCK dimensions at a time); as bf16.
+ * values: length x dim bf16, read as floats (exact) where they are used. */
+static void weigh_values(const float *const weights[ROWS], const uint16_t *values, int length,
                          int dim, uint16_t *const out[ROWS]) {
     for (int chunk = 0; chunk < dim; chunk += BLOCK) {
         vec acc[ROWS][4] = {{{0}}};
         float total[ROWS] = {0};
         for (int j = 0; j < length; j++) {
-            const float *row = values + (int64_t)j * dim + chunk;
-            vec value[4] = {load(row), load(row + LANES), load(row + 2 * LANES),
-                            load(row + 3 * LANES)};
+            const uint16_t *row = values + (int64_t)j * dim + chunk;
+            vec value[4] = {load_bf16(row), load_bf16(row + LANES), load_bf16(row + 2 * LANES),
+                            load_bf16(row + 3 * LANES)};
             for (int i = 0; i < ROWS; i++) {
                 float weight = weights[i][j];
                 total[i] += weight;
@@ -158,21 +167,53 @@ static void weigh_values(const float *const weights[ROWS], const float *values, 
 
 /* keys_t[d][j] = float(k[j][d]) for j < length, 0 up to padded: the keys transposed so that
  * score_rows' lanes run over keys. Exact data movement (bf16 -> float32 is exact), so how it is
- * done changes no result. With AVX-512, 16 keys at a time by a gather of 32-bit words: the word
- * at k[j][d] holds dims d (low half) and d + 1 (high half) of key j. */
+ * done changes no result. With AVX-512, 16 keys at a time: their rows as 16 x (dim / 2) 32-bit
+ * words (word p of key j holds dims 2p, low half, and 2p + 1, high half), transposed in
+ * registers 16 words at a time, each word then split into its two floats. */
+#ifdef __AVX512F__
+/* rows[i] <- column i of the 16 x 16 matrix of 32-bit words whose row i was rows[i]. */
+static inline void transpose_words(__m512i rows[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {   /* pairs of rows interleaved by words */
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   /* four rows' words together, per 128-bit lane */
+        rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {       /* 128-bit lanes of rows 0-7 and of rows 8-15 */
+        t[i] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {       /* ... and the two halves together: whole columns */
+        rows[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        rows[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
 static void transpose_keys(const uint16_t *k, int length, int padded, int dim, float *keys_t) {
 #ifdef __AVX512F__
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i words = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(dim / 2));
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int j = 0; j < padded; j += LANES) {
-        int present = length - j < 0 ? 0 : (length - j > LANES ? LANES : length - j);
-        __mmask16 mask = (__mmask16)((1u << present) - 1);
-        for (int d = 0; d < dim; d += 2) {
-            __m512i pair = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, words,
-                                                       k + (int64_t)j * dim + d, 4);
-            _mm512_storeu_si512(keys_t + (size_t)d * padded + j, _mm512_slli_epi32(pair, 16));
-            _mm512_storeu_si512(keys_t + (size_t)(d + 1) * padded + j,
-                                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u)));
+        for (int word = 0; word < dim / 2; word += 16) {
+            __m512i rows[16];
+            for (int i = 0; i < 16; i++)
+                rows[i] = j + i < length
+                    ? _mm512_loadu_si512(k + (int64_t)(j + i) * dim + 2 * word)
+                    : _mm512_setzero_si512();
+            transpose_words(rows);
+            for (int i = 0; i < 16; i++) {
+                int d = 2 * (word + i);
+                _mm512_storeu_si512(keys_t + (size_t)d * padded + j, _mm512_slli_epi32(rows[i], 16));
+                _mm512_storeu_si512(keys_t + (size_t)(d + 1) * padded + j,
+                                    _mm512_and_si512(rows[i], high_half));
+            }
         }
     }
 #else
@@ -187,7 +228,7 @@ static void transpose_keys(const uint16_t *k, int length, int padded, int dim, f
 /* Floats of scratch that one kv head of `length` keys needs (attend_kv_head's buffers). */
 static size_t scratch_floats(int length, int dim) {
     size_t padded = (size_t)(length + BLOCK - 1) / BLOCK * BLOCK;
-    return (size_t)dim * padded + (size_t)length * dim + ROWS * (padded + dim);
+    return (size_t)dim * padded + ROWS * (padded + dim);
 }
 
 /* One kv head g of one sequence: every query row of the heads that read it. Query row
@@ -199,14 +240,13 @@ static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
                            int rows, int length, int dim, float scale, uint16_t *out,
                            int64_t out_row_stride, float *scratch) {
     int padded = (length + BLOCK - 1) / BLOCK * BLOCK;
-    float *keys_t = scratch, *values_f = keys_t + (size_t)dim * padded;
+    float *keys_t = scratch;
     float *scores[ROWS], *query_f[ROWS];
     for (int i = 0; i < ROWS; i++) {
-        scores[i] = values_f + (size_t)length * dim + (size_t)i * padded;
+        scores[i] = keys_t + (size_t)dim * padded + (size_t)i * padded;
         query_f[i] = scores[0] + (size_t)ROWS * padded + (size_t)i * dim;
     }
     transpose_keys(k, length, padded, dim, keys_t);
-    for (int64_t i = 0; i < (int64_t)length * dim; i++) values_f[i] = bf16_to_float(v[i]);
     /* The kv head's query rows (head h, row r), ROWS at a time; a short last block is
      * filled with zero queries whose results are dropped. */
     int count = groups * rows;
@@ -232,7 +272,7 @@ static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
             }
             if (!outs[i]) memset(scores[i], 0, (size_t)padded * sizeof(float));
         }
-        weigh_values((const float *const *)scores, values_f, length, dim, outs);
+        weigh_values((const float *const *)scores, v, length, dim, outs);
     }
 }
 

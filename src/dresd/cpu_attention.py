@@ -66,7 +66,7 @@ def usable(query: torch.Tensor, key: torch.Tensor) -> bool:
             and takes(query.dtype, query.shape[-1]))
 
 
-def _kernel_mask(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
+def kernel_mask(mask: torch.Tensor, length: int) -> tuple[torch.Tensor, int, int]:
     """A [1, 1, rows, >= length] mask as the kernel reads it: bf16 additive rows (a boolean
     True: may attend), with the address of its last `length` columns and its row stride."""
     rows_mask = mask[0, 0]
@@ -94,7 +94,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty(1, rows, heads, dim, dtype=query.dtype)
     mask_pointer, mask_stride = None, 0
     if mask is not None:  # its last `length` columns: the keys this layer holds
-        rows_mask, mask_pointer, mask_stride = _kernel_mask(mask, length)
+        rows_mask, mask_pointer, mask_stride = kernel_mask(mask, length)
     status = kernel().dresd_attention(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), mask_pointer, key.stride(1),
         value.stride(1), mask_stride, heads, kv_heads, rows, length, dim, scale,
@@ -140,7 +140,7 @@ def attention_batch(query: torch.Tensor, bounds: list[int], keys: list[torch.Ten
         if mask is not None:
             if mask.shape[:2] != (1, 1):
                 raise ValueError(f"expected a mask shared by all heads, got {tuple(mask.shape)}")
-            rows_mask, mask_pointers[s], mask_strides[s] = _kernel_mask(mask, length)
+            rows_mask, mask_pointers[s], mask_strides[s] = kernel_mask(mask, length)
             held.append(rows_mask)
     status = kernel().dresd_attention_batch(
         count, query.data_ptr(), query.stride(0), first, rows, key_pointers, value_pointers,

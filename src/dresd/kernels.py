@@ -25,16 +25,18 @@ def cpu_key() -> str:
     return "\n".join([cpu_model(), *sorted(cpu_flags())])
 
 
-def load(source: Path, flags: tuple[str, ...], switch: str, instead: str) -> ctypes.CDLL | None:
+def load(source: Path, flags: tuple[str, ...], switch: str, instead: str,
+         includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
     """The shared library built from `source` with `flags` (compiled on first use on this
     machine, then taken from the cache), or None: `$switch` is "0", there is no compiler, or
-    the compile failed (then stderr says so, and that `instead` runs)."""
+    the compile failed (then stderr says so, and that `instead` runs). `includes`: the files
+    `source` includes, part of what the cached library is keyed by."""
     if os.environ.get(switch, "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    text = source.read_text()
+    text = "\n".join(path.read_text() for path in (source, *includes))
     digest = hashlib.sha256("\n".join([text, *flags, compiler, cpu_key()]).encode())
     path = cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not path.exists():

@@ -40,6 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dresd import cpu_attention
+from dresd.cpu_decoder import CDecoder
 from dresd.cpu_linear import InvariantLinear, fuse, share_storage
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.kv_cache import SequenceKV
@@ -139,6 +140,9 @@ class LlamaForward:
         self.qkv_sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
                           self.kv_heads * self.head_dim)
         self.fused = [fuse_layer(layer) for layer in self.decoder.layers]
+        # On a bf16 CPU model with dresd's kernels, every layer in one C call (cpu_decoder.py).
+        self.c_decoder = (CDecoder.build(self.decoder, config, self.fused)
+                          if self.invariant_kernel else None)
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -159,19 +163,28 @@ class LlamaForward:
             within = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
         return additive_mask(segment.start, within, self.dtype)
 
-    @torch.inference_mode()
-    def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
+    def _inputs(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, list[int]]:
+        """The embedded rows [rows, d], their rotary cos and sin [rows, head_dim] and the
+        segments' row bounds; makes room in each sequence's cache for its rows."""
         token_ids = [token for segment in segments for token in segment.token_ids]
         positions = [p for segment in segments for p in segment.positions()]
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         hidden = self.decoder.embed_tokens(ids)  # [rows, d]
         cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # [1, rows, head_dim]
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [rows, 1, head_dim]: broadcast over heads
         bounds = [0]
         for segment in segments:
             bounds.append(bounds[-1] + len(segment))
             segment.sequence.reserve(segment.start + len(segment))
+        return hidden, cos[0], sin[0], bounds
+
+    @torch.inference_mode()
+    def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
+        if self.c_decoder is not None:
+            return self._c_forward(segments)
+        hidden, cos, sin, bounds = self._inputs(segments)
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: broadcast over heads
         masks = [self._mask(segment) for segment in segments]
         # The batch-invariant C attention takes every segment in one call where each would
         # take it alone (`fastpath.invariant_attention`: up to INVARIANT_MAX_ROWS rows; longer
@@ -221,6 +234,51 @@ class LlamaForward:
                 hidden = hidden + layer.mlp(normed)
 
         hidden = self.decoder.norm(hidden)
+        for segment in segments:
+            segment.sequence.length = segment.start + len(segment)
+        return _split_outputs(self.model, segments, bounds, hidden)
+
+    def _c_forward(self, segments: list[Segment]) -> list[SegmentOutput]:
+        """The forward on `cpu_decoder.c`: the whole decoder in one C call where every segment
+        takes the C attention (the rows of a step), else one layer at a time with the longer
+        prompt chunks' attention in PyTorch, as the PyTorch path does (INVARIANT_MAX_ROWS)."""
+        decoder = self.c_decoder
+        hidden, cos, sin, bounds = self._inputs(segments)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        masks = [self._mask(segment) for segment in segments]
+        kernel_masks, parts = [], []  # the kernel's bf16 rows of each mask, alive till the end
+        for segment, first, mask in zip(segments, bounds, masks, strict=False):
+            address = None
+            if mask is not None:
+                rows_mask, *address = cpu_attention.kernel_mask(mask,
+                                                                segment.start + len(segment))
+                kernel_masks.append(rows_mask)
+            parts.append((first, len(segment), segment.start, segment.sequence, address))
+        if all(len(segment) <= INVARIANT_MAX_ROWS for segment in segments):
+            hidden = decoder.forward(hidden, cos, sin, decoder.segments(parts))
+        else:
+            every = decoder.segments(parts)
+            short = [part for part in parts if part[1] <= INVARIANT_MAX_ROWS]
+            short_segments = decoder.segments(short) if short else None
+            long = [(segment, first, mask) for segment, first, mask
+                    in zip(segments, bounds, masks, strict=False)
+                    if len(segment) > INVARIANT_MAX_ROWS]
+            mixed = torch.empty(hidden.shape[0], self.heads * self.head_dim, dtype=self.dtype)
+            for index, layer in enumerate(self.decoder.layers):
+                qkv = decoder.attention_inputs(index, hidden, cos, sin, every)
+                if short_segments is not None:
+                    decoder.attention(index, qkv, short_segments, mixed)
+                for segment, first, mask in long:
+                    last = first + len(segment)
+                    query = qkv[first:last, :self.heads * self.head_dim].view(
+                        len(segment), self.heads, self.head_dim).transpose(0, 1)[None]
+                    keys, values = segment.sequence.view(index, segment.start + len(segment))
+                    out, _ = self.attention(layer.self_attn, query, keys, values, mask,
+                                            dropout=0.0,
+                                            scaling=layer.self_attn.scaling)
+                    mixed[first:last] = out[0].reshape(len(segment), -1)
+                decoder.attention_outputs(index, hidden, mixed)
+            hidden = decoder.final_norm(hidden)
         for segment in segments:
             segment.sequence.length = segment.start + len(segment)
         return _split_outputs(self.model, segments, bounds, hidden)

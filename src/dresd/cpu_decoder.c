@@ -1,0 +1,255 @@
+/* A Llama-shaped decoder's layers in C, bf16, for CPUs with AVX-512 bf16 (dresd/cpu_decoder.py
+ * loads it; decoding/forward.py calls it).
+ *
+ * Why: at one token per sequence, a decode step of a small model is ~300 small operations
+ * (norms, rotary embedding, residual adds, cache writes, the SiLU gate) around the linears,
+ * and in PyTorch each costs a dispatch and a Python line. Here a whole step is one call: per
+ * layer, for all rows of all sequences at once,
+ *
+ *   normed  = rms_norm(hidden) * w_in
+ *   q, k, v = normed [Wq | Wk | Wv]^T (+ bias)          one linear (cpu_linear.c)
+ *   q, k    = rotary(q), rotary(k);  k, v -> each sequence's cache, rows start .. start + t - 1
+ *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant)
+ *   hidden  = hidden + mixed Wo^T
+ *   normed  = rms_norm(hidden) * w_post
+ *   g, u    = normed [Wgate | Wup]^T;  act = silu(g) * u;  hidden = hidden + act Wdown^T
+ *
+ * and the final norm after the last layer.
+ *
+ * The promise, as the kernels it calls: every row of the output depends only on that row's
+ * token, its position, and the cache entries it sees; not on the other rows, sequences or
+ * threads. Each element-wise step computes an element from that element alone; each norm sums
+ * its own row in a fixed order (16 float32 lanes over the row, then one fixed horizontal sum).
+ *
+ * Rounding follows transformers' bf16 Llama, operation by operation: every tensor between two
+ * operations is bf16, and a bf16 product or sum is computed in float32 and rounded once to
+ * bf16 (exactly what PyTorch does for these element-wise ops). Rotary embedding and residual
+ * adds therefore give PyTorch's bits; the norm's sum of squares and SiLU's exp are computed in
+ * an order and with an approximation of this file's own (float32, within an ulp), so they may
+ * differ from PyTorch's in the last bit of a float32 before the rounding to bf16. Every method
+ * of a process runs this same code, plain decoding included.
+ */
+#include "cpu_linear.c"
+#include "cpu_attention.c"
+
+#include <math.h>
+#include <stdlib.h>
+
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps;   /* the RMS norms' epsilon */
+    float scale; /* attention's scaling of q . k */
+    const uint16_t *const *input_norm;   /* [layers] -> bf16 [hidden] */
+    const uint16_t *const *post_norm;    /* [layers] -> bf16 [hidden] */
+    const uint16_t *final_norm;          /* bf16 [hidden] */
+    const uint16_t *const *qkv;          /* [layers] -> cpu_linear's packed [q | k | v] */
+    const float *const *qkv_bias;        /* [layers] -> float32 bias, or NULL (none) */
+    const uint16_t *const *o;            /* [layers] -> packed */
+    const uint16_t *const *gate_up;      /* [layers] -> packed [gate | up] */
+    const uint16_t *const *down;         /* [layers] -> packed */
+} Decoder;
+
+/* The sequences of one forward. Segment s owns rows first[s] .. first[s] + rows[s] - 1; its
+ * cache holds start[s] entries before them, and its rows are written after those. Its keys
+ * (values alike) are one buffer [layers][kv_heads][capacity[s]][head_dim]. masks[s]: rows[s] x
+ * mask_strides[s] additive bf16, the last start[s] + rows[s] columns read, or NULL (causal). */
+typedef struct {
+    int count;
+    const int *first, *rows, *start;
+    uint16_t *const *keys, *const *values;
+    const int64_t *capacity;
+    const uint16_t *const *masks;
+    const int64_t *mask_strides;
+} Segments;
+
+static inline __m512 load_bf16_ps(const uint16_t *from) {
+    __m256i bits = _mm256_loadu_si256((const __m256i *)from);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline void store_bf16(uint16_t *to, __m512 value) {
+    _mm256_storeu_si256((__m256i *)to, round_to_bf16(value));
+}
+
+/* bf16(value) as a float32 again: what a bf16 tensor between two operations holds. */
+static inline __m512 rounded(__m512 value) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(value)),
+                                                 16));
+}
+
+/* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm (n a multiple of 16). */
+static void rms_norm(const uint16_t *x, const uint16_t *weight, int n, float eps,
+                     uint16_t *out) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += LANES) {
+        __m512 value = load_bf16_ps(x + i);
+        squares = _mm512_fmadd_ps(value, value, squares);
+    }
+    float inverse = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps);
+    for (int i = 0; i < n; i += LANES) {
+        __m512 normed = rounded(_mm512_mul_ps(load_bf16_ps(x + i), _mm512_set1_ps(inverse)));
+        store_bf16(out + i, _mm512_mul_ps(load_bf16_ps(weight + i), normed));
+    }
+}
+
+/* Rotary embedding of one head in place, as transformers' `x * cos + rotate_half(x) * sin`
+ * with every product and the sum rounded to bf16 (head_dim a multiple of 32). */
+static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int head_dim) {
+    int half = head_dim / 2;
+    for (int d = 0; d < half; d += LANES) {
+        __m512 low = load_bf16_ps(x + d), high = load_bf16_ps(x + half + d);
+        __m512 new_low = _mm512_add_ps(
+            rounded(_mm512_mul_ps(low, load_bf16_ps(cos + d))),
+            rounded(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), high), load_bf16_ps(sin + d))));
+        __m512 new_high = _mm512_add_ps(
+            rounded(_mm512_mul_ps(high, load_bf16_ps(cos + half + d))),
+            rounded(_mm512_mul_ps(low, load_bf16_ps(sin + half + d))));
+        store_bf16(x + d, new_low);
+        store_bf16(x + half + d, new_high);
+    }
+}
+
+/* act = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)): exp of -|g| only (never
+ * overflows), g >= 0: g / (1 + e), g < 0: g e / (1 + e). n a multiple of 16. */
+static void silu_times(const uint16_t *gate, const uint16_t *up, int n, uint16_t *act) {
+    for (int i = 0; i < n; i += LANES) {
+        __m512 g = load_bf16_ps(gate + i);
+        __m512 e = (__m512)exp_nonpositive((vec)_mm512_sub_ps(
+            _mm512_setzero_ps(), _mm512_abs_ps(g)));
+        __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(),
+                                                                    _CMP_LT_OQ), g, e);
+        __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        store_bf16(act + i, _mm512_mul_ps(rounded(silu), load_bf16_ps(up + i)));
+    }
+}
+
+/* hidden = bf16(hidden + delta), n a multiple of 16. */
+static void add_residual(uint16_t *hidden, const uint16_t *delta, int n) {
+    for (int i = 0; i < n; i += LANES)
+        store_bf16(hidden + i, _mm512_add_ps(load_bf16_ps(hidden + i), load_bf16_ps(delta + i)));
+}
+
+static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m->head_dim; }
+
+/* y = x W^T (+ bias) for contiguous rows: x rows x k, y rows x n (cpu_linear.c). */
+static void project(const uint16_t *x, int rows, int k, const uint16_t *packed,
+                    const float *bias, int n, uint16_t *y, int threads) {
+    dresd_linear(x, k, rows, packed, (k + 1) / 2, n, bias, y, n, threads);
+}
+
+/* Layer `layer` up to attention: the norm, q/k/v, rotary embedding, and each segment's keys
+ * and values written into its cache. qkv: rows x qkv_width out (q stays there for attention).
+ * cos, sin: rows x head_dim bf16 (each row's position). Returns 0, -1 out of memory. */
+int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *hidden, int rows,
+                                   const uint16_t *cos, const uint16_t *sin, uint16_t *qkv,
+                                   const Segments *segments, int threads) {
+    int d = m->hidden, dim = m->head_dim, width = qkv_width(m);
+    uint16_t *normed = malloc((size_t)rows * d * sizeof(uint16_t));
+    if (!normed) return -1;
+    for (int r = 0; r < rows; r++)
+        rms_norm(hidden + (int64_t)r * d, m->input_norm[layer], d, m->eps, normed + (int64_t)r * d);
+    project(normed, rows, d, m->qkv[layer], m->qkv_bias[layer], width, qkv, threads);
+    free(normed);
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < m->heads + m->kv_heads; h++) /* q heads, then k heads */
+            rotate(qkv + (int64_t)r * width + h * dim, cos + (int64_t)r * dim,
+                   sin + (int64_t)r * dim, dim);
+    for (int s = 0; s < segments->count; s++) {
+        int64_t head_stride = segments->capacity[s] * dim;
+        int64_t layer_stride = m->kv_heads * head_stride;
+        for (int i = 0; i < segments->rows[s]; i++) {
+            const uint16_t *row = qkv + (int64_t)(segments->first[s] + i) * width;
+            int64_t at = layer * layer_stride + (int64_t)(segments->start[s] + i) * dim;
+            for (int g = 0; g < m->kv_heads; g++) {
+                memcpy(segments->keys[s] + at + g * head_stride,
+                       row + (m->heads + g) * dim, dim * sizeof(uint16_t));
+                memcpy(segments->values[s] + at + g * head_stride,
+                       row + (m->heads + m->kv_heads + g) * dim, dim * sizeof(uint16_t));
+            }
+        }
+    }
+    return 0;
+}
+
+/* Layer `layer` after attention: hidden += mixed Wo^T, then the MLP and its residual.
+ * mixed: rows x (heads * head_dim). Returns 0, -1 out of memory. */
+int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidden, int rows,
+                                    const uint16_t *mixed, int threads) {
+    int d = m->hidden, inter = m->intermediate;
+    uint16_t *scratch = malloc((size_t)rows * (2 * d + 3 * inter) * sizeof(uint16_t));
+    if (!scratch) return -1;
+    uint16_t *projected = scratch, *normed = projected + (size_t)rows * d;
+    uint16_t *gate_up = normed + (size_t)rows * d, *act = gate_up + (size_t)rows * 2 * inter;
+    project(mixed, rows, m->heads * m->head_dim, m->o[layer], NULL, d, projected, threads);
+    for (int r = 0; r < rows; r++) {
+        add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
+        rms_norm(hidden + (int64_t)r * d, m->post_norm[layer], d, m->eps, normed + (int64_t)r * d);
+    }
+    project(normed, rows, d, m->gate_up[layer], NULL, 2 * inter, gate_up, threads);
+    for (int r = 0; r < rows; r++)
+        silu_times(gate_up + (int64_t)r * 2 * inter, gate_up + (int64_t)r * 2 * inter + inter,
+                   inter, act + (int64_t)r * inter);
+    project(act, rows, inter, m->down[layer], NULL, d, projected, threads);
+    for (int r = 0; r < rows; r++)
+        add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
+    free(scratch);
+    return 0;
+}
+
+/* Every segment's attention for layer `layer` on the C attention kernel (cpu_attention.c),
+ * q read from the qkv rows; mixed: rows x (heads * head_dim). Returns 0, -1 out of memory. */
+int dresd_decoder_attention(const Decoder *m, int layer, const uint16_t *qkv,
+                            const Segments *segments, uint16_t *mixed, int threads) {
+    int count = segments->count, dim = m->head_dim;
+    const uint16_t **keys = malloc(2 * (size_t)count * sizeof(uint16_t *));
+    int64_t *strides = malloc((size_t)count * sizeof(int64_t));
+    int *lengths = malloc((size_t)count * sizeof(int));
+    int status = -1;
+    if (keys && strides && lengths) {
+        const uint16_t **values = keys + count;
+        for (int s = 0; s < count; s++) {
+            strides[s] = segments->capacity[s] * dim;
+            int64_t at = layer * m->kv_heads * strides[s];
+            keys[s] = segments->keys[s] + at;
+            values[s] = segments->values[s] + at;
+            lengths[s] = segments->start[s] + segments->rows[s];
+        }
+        status = dresd_attention_batch(count, qkv, qkv_width(m), segments->first,
+                                       segments->rows, keys, values, strides, strides,
+                                       segments->masks, segments->mask_strides, lengths,
+                                       m->heads, m->kv_heads, dim, m->scale, mixed, threads);
+    }
+    free(keys);
+    free(strides);
+    free(lengths);
+    return status;
+}
+
+/* The final norm of every row: out = rms_norm(hidden) * w_final. */
+void dresd_decoder_final_norm(const Decoder *m, const uint16_t *hidden, int rows, uint16_t *out) {
+    for (int r = 0; r < rows; r++)
+        rms_norm(hidden + (int64_t)r * m->hidden, m->final_norm, m->hidden, m->eps,
+                 out + (int64_t)r * m->hidden);
+}
+
+/* The whole decoder on the embedded rows `hidden` (rows x hidden, updated in place), every
+ * attention on the C kernel; `out` gets the final norm. Returns 0, -1 out of memory. */
+int dresd_decoder(const Decoder *m, uint16_t *hidden, int rows, const uint16_t *cos,
+                  const uint16_t *sin, const Segments *segments, uint16_t *out, int threads) {
+    uint16_t *qkv = malloc((size_t)rows * (qkv_width(m) + m->heads * m->head_dim)
+                           * sizeof(uint16_t));
+    if (!qkv) return -1;
+    uint16_t *mixed = qkv + (size_t)rows * qkv_width(m);
+    int status = 0;
+    for (int layer = 0; layer < m->layers && status == 0; layer++) {
+        status = dresd_decoder_attention_inputs(m, layer, hidden, rows, cos, sin, qkv, segments,
+                                                threads);
+        if (status == 0)
+            status = dresd_decoder_attention(m, layer, qkv, segments, mixed, threads);
+        if (status == 0)
+            status = dresd_decoder_attention_outputs(m, layer, hidden, rows, mixed, threads);
+    }
+    if (status == 0) dresd_decoder_final_norm(m, hidden, rows, out);
+    free(qkv);
+    return status;
+}

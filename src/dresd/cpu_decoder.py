@@ -1,0 +1,207 @@
+"""A Llama-shaped decoder's layers in one C call per forward (the kernel: `cpu_decoder.c`).
+
+Why: with the linears and attention already in C (`cpu_linear.py`, `cpu_attention.py`), what
+was left of a bf16 decode step in PyTorch was ~300 small operations (norms, rotary embedding,
+residual adds, cache writes, the SiLU gate) and the Python around them: about a third of the
+step. `cpu_decoder.c` runs a whole forward, every layer, in one call; its header says what it
+computes and how it rounds.
+
+Where it runs: bf16 Llama-shaped models (`decoding/forward.LlamaForward`) whose q/k/v and
+gate/up projections are fused on the C linear kernel, the attention is the batch-invariant C
+kernel, the MLP is SiLU-gated without biases, and the sizes are whole vectors (hidden size and
+intermediate size multiples of 16). `CDecoder.build` returns None elsewhere, and the forward
+keeps its PyTorch path. `DRESD_CPU_DECODER=0` turns it off. Compiled once per machine, like the
+other kernels (`kernels.load`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from dresd import cpu_attention, cpu_linear, kernels
+from dresd.cpu_linear import InvariantLinear
+
+SOURCE = Path(__file__).with_name("cpu_decoder.c")
+FLAGS = cpu_attention.FLAGS  # the attention kernel's: this file compiles it in
+
+_pointer, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_pointers = ctypes.POINTER(ctypes.c_void_p)
+
+
+class DecoderStruct(ctypes.Structure):
+    """cpu_decoder.c's `Decoder`: the sizes and the weights' addresses."""
+
+    _fields_ = [("layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32),
+                ("head_dim", _i32), ("intermediate", _i32), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("input_norm", _pointers), ("post_norm", _pointers),
+                ("final_norm", _pointer), ("qkv", _pointers), ("qkv_bias", _pointers),
+                ("o", _pointers), ("gate_up", _pointers), ("down", _pointers)]
+
+
+class SegmentsStruct(ctypes.Structure):
+    """cpu_decoder.c's `Segments`: the sequences of one forward."""
+
+    _fields_ = [("count", _i32), ("first", ctypes.POINTER(_i32)), ("rows", ctypes.POINTER(_i32)),
+                ("start", ctypes.POINTER(_i32)), ("keys", _pointers), ("values", _pointers),
+                ("capacity", ctypes.POINTER(_i64)), ("masks", _pointers),
+                ("mask_strides", ctypes.POINTER(_i64))]
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
+    if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
+        return None
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
+                           includes=(cpu_linear.SOURCE, cpu_attention.SOURCE))
+    if library is None:
+        return None
+    decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)
+    signatures = {
+        "dresd_decoder": [decoder, _pointer, _i32, _pointer, _pointer, segments, _pointer, _i32],
+        "dresd_decoder_attention_inputs": [decoder, _i32, _pointer, _i32, _pointer, _pointer,
+                                           _pointer, segments, _i32],
+        "dresd_decoder_attention": [decoder, _i32, _pointer, segments, _pointer, _i32],
+        "dresd_decoder_attention_outputs": [decoder, _i32, _pointer, _i32, _pointer, _i32],
+        "dresd_decoder_final_norm": [decoder, _pointer, _i32, _pointer],
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = None if name == "dresd_decoder_final_norm" else _i32
+    return library
+
+
+def _addresses(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr()
+                                              for t in tensors])
+
+
+class CDecoder:
+    """A model's decoder layers as `cpu_decoder.c` reads them; `fused[i]` is layer i's
+    `forward.FusedProjections`. Holds the addresses of the model's own weights (no copy)."""
+
+    @staticmethod
+    def build(decoder: torch.nn.Module, config, fused: list) -> CDecoder | None:
+        """The C decoder for a `LlamaForward`'s decoder, or None where it does not apply (the
+        module docstring says when)."""
+        layers = decoder.layers
+        if kernel() is None or any(parts is None for parts in fused):
+            return None
+        if getattr(config, "hidden_act", None) != "silu":
+            return None
+        if config.hidden_size % 16 or config.intermediate_size % 16:
+            return None
+        for layer, parts in zip(layers, fused, strict=True):
+            modules = (layer.self_attn.o_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, InvariantLinear) and m.bias is None for m in modules):
+                return None
+            if parts.gate_up.bias is not None:
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not all(type(norm).__name__.endswith("RMSNorm")
+                       and hasattr(norm, "variance_epsilon") for norm in norms):
+                return None
+        return CDecoder(decoder, config, fused)
+
+    def __init__(self, decoder: torch.nn.Module, config, fused: list) -> None:
+        layers = decoder.layers
+        attention = layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = attention.head_dim
+        self.hidden = config.hidden_size
+        self.threads = None  # default: torch.get_num_threads() at each call
+        self._arrays = [  # kept alive: the struct points into them
+            _addresses([layer.input_layernorm.weight for layer in layers]),
+            _addresses([layer.post_attention_layernorm.weight for layer in layers]),
+            _addresses([parts.qkv.packed_weight for parts in fused]),
+            _addresses([parts.qkv.bias for parts in fused]),
+            _addresses([layer.self_attn.o_proj.packed_weight for layer in layers]),
+            _addresses([parts.gate_up.packed_weight for parts in fused]),
+            _addresses([layer.mlp.down_proj.packed_weight for layer in layers]),
+        ]
+        arrays = [ctypes.cast(array, _pointers) for array in self._arrays]
+        self.struct = DecoderStruct(
+            len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
+            config.intermediate_size, layers[0].input_layernorm.variance_epsilon,
+            attention.scaling, arrays[0], arrays[1], decoder.norm.weight.data_ptr(), arrays[2],
+            arrays[3], arrays[4], arrays[5], arrays[6])
+        self._weights = (decoder, fused)  # the addresses above stay valid while these live
+        self.library = kernel()
+
+    def segments(self, parts: list[tuple[int, int, int, object, tuple[int, int] | None]]
+                 ) -> SegmentsStruct:
+        """The struct for segments given as (first row, rows, start, SequenceKV, mask): mask
+        None (causal) or (address, row stride) of bf16 additive rows, as
+        `cpu_attention.kernel_mask` gives them."""
+        count = len(parts)
+        ints = [(ctypes.c_int * count)(*values) for values in
+                ([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])]
+        keys = _addresses([p[3].key_buffer for p in parts])
+        values = _addresses([p[3].value_buffer for p in parts])
+        capacity = (ctypes.c_int64 * count)(*[p[3].capacity for p in parts])
+        masks = (ctypes.c_void_p * count)(*[None if p[4] is None else p[4][0] for p in parts])
+        strides = (ctypes.c_int64 * count)(*[0 if p[4] is None else p[4][1] for p in parts])
+        struct = SegmentsStruct(count, *ints, ctypes.cast(keys, _pointers),
+                                ctypes.cast(values, _pointers), capacity,
+                                ctypes.cast(masks, _pointers), strides)
+        struct._keep = (ints, keys, values, capacity, masks, strides)
+        return struct
+
+    def _threads(self) -> int:
+        return self.threads or torch.get_num_threads()
+
+    @staticmethod
+    def _check(status: int, name: str) -> None:
+        if status != 0:
+            raise MemoryError(f"{name}: out of memory")
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: SegmentsStruct) -> torch.Tensor:
+        """Every layer and the final norm on hidden [rows, hidden] (embedded rows, bf16,
+        contiguous; updated in place), cos/sin [rows, head_dim] bf16. Returns the normed rows."""
+        out = torch.empty_like(hidden)
+        status = self.library.dresd_decoder(
+            ctypes.byref(self.struct), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
+            sin.data_ptr(), ctypes.byref(segments), out.data_ptr(), self._threads())
+        self._check(status, "dresd_decoder")
+        return out
+
+    def attention_inputs(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, segments: SegmentsStruct) -> torch.Tensor:
+        """One layer up to attention (norm, q/k/v, rotary, cache writes): the q/k/v rows
+        [rows, (heads + 2 kv_heads) * head_dim]."""
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        qkv = torch.empty(hidden.shape[0], width, dtype=hidden.dtype)
+        status = self.library.dresd_decoder_attention_inputs(
+            ctypes.byref(self.struct), layer, hidden.data_ptr(), hidden.shape[0],
+            cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(), ctypes.byref(segments),
+            self._threads())
+        self._check(status, "dresd_decoder_attention_inputs")
+        return qkv
+
+    def attention(self, layer: int, qkv: torch.Tensor, segments: SegmentsStruct,
+                  mixed: torch.Tensor) -> None:
+        """The C attention of `segments` (rows of `qkv` and `mixed` [rows, heads * head_dim])."""
+        status = self.library.dresd_decoder_attention(
+            ctypes.byref(self.struct), layer, qkv.data_ptr(), ctypes.byref(segments),
+            mixed.data_ptr(), self._threads())
+        self._check(status, "dresd_decoder_attention")
+
+    def attention_outputs(self, layer: int, hidden: torch.Tensor, mixed: torch.Tensor) -> None:
+        """One layer after attention: output projection, MLP, residuals (hidden in place)."""
+        status = self.library.dresd_decoder_attention_outputs(
+            ctypes.byref(self.struct), layer, hidden.data_ptr(), hidden.shape[0],
+            mixed.data_ptr(), self._threads())
+        self._check(status, "dresd_decoder_attention_outputs")
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(hidden)
+        self.library.dresd_decoder_final_norm(ctypes.byref(self.struct), hidden.data_ptr(),
+                                              hidden.shape[0], out.data_ptr())
+        return out
