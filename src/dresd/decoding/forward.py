@@ -319,7 +319,14 @@ def _split_outputs(model: PreTrainedModel, segments: list[Segment], bounds: list
             wanted.extend(range(first, last))
         elif segment.logits_rows == "last":
             wanted.append(last - 1)
-    logits = model.lm_head(hidden[wanted]) if wanted else None
+    logits = None
+    if wanted:
+        first = wanted[0]
+        contiguous = wanted == list(range(first, first + len(wanted)))  # a slice: no gather
+        rows = hidden[first:first + len(wanted)] if contiguous else hidden[wanted]
+        # float32: the same values, and PyTorch's argmax and top-k over a vocabulary run
+        # several times faster on float32 than on bf16 (~0.2 ms of a decode step otherwise).
+        logits = model.lm_head(rows).float()
     outputs, taken = [], 0
     for segment, first, last in zip(segments, bounds[:-1], bounds[1:], strict=True):
         count = {"all": last - first, "last": 1}.get(segment.logits_rows, 0)
