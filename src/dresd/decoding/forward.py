@@ -14,6 +14,11 @@ the last-layer hidden states of its rows.
                -> output projection, norm, MLP for all rows at once
     final norm -> LM head on the rows whose logits are wanted
 
+On a bf16 CPU model with dresd's kernels, all of the above per layer runs in C, every layer in
+one call (`cpu_decoder.py`; a step with a prompt chunk longer than the C attention takes goes
+layer by layer, that chunk's attention in PyTorch). The PyTorch code below is the same forward
+for every other case (float32, GPUs, CPUs without AVX-512 bf16).
+
 Why a forward of our own: transformers' forward takes one rectangular batch, so sequences of
 different lengths need padding, and its `DynamicCache` appends with `torch.cat`, which copies
 the whole cache at every step. Here the rows of every sequence share the matrix multiplies
