@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -49,6 +50,17 @@ class SegmentsStruct(ctypes.Structure):
                 ("start", ctypes.POINTER(_i32)), ("keys", _pointers), ("values", _pointers),
                 ("capacity", ctypes.POINTER(_i64)), ("masks", _pointers),
                 ("mask_strides", ctypes.POINTER(_i64))]
+
+
+class SegmentRows(NamedTuple):
+    """Where one sequence's rows sit in a forward, as the C decoder takes them."""
+
+    first: int  # its first row among the forward's rows
+    rows: int
+    start: int  # cache entries before its rows
+    cache: object  # its `decoding.kv_cache.SequenceKV`
+    mask: tuple[int, int] | None  # (address, row stride) of `cpu_attention.kernel_mask`'s
+    #                               bf16 rows, or None: causal
 
 
 @functools.cache
@@ -134,19 +146,16 @@ class CDecoder:
         self._weights = (decoder, fused)  # the addresses above stay valid while these live
         self.library = kernel()
 
-    def segments(self, parts: list[tuple[int, int, int, object, tuple[int, int] | None]]
-                 ) -> SegmentsStruct:
-        """The struct for segments given as (first row, rows, start, SequenceKV, mask): mask
-        None (causal) or (address, row stride) of bf16 additive rows, as
-        `cpu_attention.kernel_mask` gives them."""
+    def segments(self, parts: list[SegmentRows]) -> SegmentsStruct:
+        """The struct cpu_decoder.c reads for these segments (it points into arrays it holds)."""
         count = len(parts)
         ints = [(ctypes.c_int * count)(*values) for values in
-                ([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])]
-        keys = _addresses([p[3].key_buffer for p in parts])
-        values = _addresses([p[3].value_buffer for p in parts])
-        capacity = (ctypes.c_int64 * count)(*[p[3].capacity for p in parts])
-        masks = (ctypes.c_void_p * count)(*[None if p[4] is None else p[4][0] for p in parts])
-        strides = (ctypes.c_int64 * count)(*[0 if p[4] is None else p[4][1] for p in parts])
+                ([p.first for p in parts], [p.rows for p in parts], [p.start for p in parts])]
+        keys = _addresses([p.cache.key_buffer for p in parts])
+        values = _addresses([p.cache.value_buffer for p in parts])
+        capacity = (ctypes.c_int64 * count)(*[p.cache.capacity for p in parts])
+        masks = (ctypes.c_void_p * count)(*[p.mask and p.mask[0] for p in parts])
+        strides = (ctypes.c_int64 * count)(*[p.mask[1] if p.mask else 0 for p in parts])
         struct = SegmentsStruct(count, *ints, ctypes.cast(keys, _pointers),
                                 ctypes.cast(values, _pointers), capacity,
                                 ctypes.cast(masks, _pointers), strides)

@@ -45,7 +45,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dresd import cpu_attention
-from dresd.cpu_decoder import CDecoder
+from dresd.cpu_decoder import CDecoder, SegmentRows
 from dresd.cpu_linear import InvariantLinear, fuse, share_storage
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.kv_cache import SequenceKV
@@ -253,17 +253,18 @@ class LlamaForward:
         masks = [self._mask(segment) for segment in segments]
         kernel_masks, parts = [], []  # the kernel's bf16 rows of each mask, alive till the end
         for segment, first, mask in zip(segments, bounds, masks, strict=False):
-            address = None
+            where = None  # the mask's rows as the kernel reads them: (address, row stride)
             if mask is not None:
-                rows_mask, *address = cpu_attention.kernel_mask(mask,
-                                                                segment.start + len(segment))
+                rows_mask, address, stride = cpu_attention.kernel_mask(
+                    mask, segment.start + len(segment))
                 kernel_masks.append(rows_mask)
-            parts.append((first, len(segment), segment.start, segment.sequence, address))
+                where = (address, stride)
+            parts.append(SegmentRows(first, len(segment), segment.start, segment.sequence, where))
         if all(len(segment) <= INVARIANT_MAX_ROWS for segment in segments):
             hidden = decoder.forward(hidden, cos, sin, decoder.segments(parts))
         else:
             every = decoder.segments(parts)
-            short = [part for part in parts if part[1] <= INVARIANT_MAX_ROWS]
+            short = [part for part in parts if part.rows <= INVARIANT_MAX_ROWS]
             short_segments = decoder.segments(short) if short else None
             long = [(segment, first, mask) for segment, first, mask
                     in zip(segments, bounds, masks, strict=False)
