@@ -22,6 +22,11 @@ gets repeated questions does.
 
 Traffic goes to 127.0.0.1 only; the run is bounded (prompts x rounds requests) and stops by
 itself, the server with it.
+
+`--url` drives a server already running instead (any OpenAI-compatible one, e.g. llama.cpp's
+`llama-server`, started and stopped by the caller: `benchmarks/peers/servers.sh`): no `method`
+field is sent, phase 1 is skipped, and /metrics is read only where it answers in dresd's names.
+`--temperature` and `--extra-body` add fields to every request (by default none are sent).
 """
 
 from __future__ import annotations
@@ -77,31 +82,38 @@ def percentile(values: list[float], q: float) -> float:
 
 def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
                extra: dict) -> dict:
-    """One streamed chat completion, timed from the client's side."""
+    """One streamed chat completion, timed from the client's side. Completion tokens from the
+    usage chunk, else from llama.cpp's `timings` (its server reports them there)."""
     started = time.perf_counter()
     first = None
-    pieces, finish, usage = [], None, None
+    pieces, finish, usage, predicted = [], None, None, 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True}, extra_body=extra)
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
+        timings = (chunk.model_extra or {}).get("timings")
+        if usage is None and isinstance(timings, dict) and "predicted_n" in timings:
+            predicted = int(timings["predicted_n"])
         for choice in chunk.choices:
             if choice.delta.content:
                 first = first if first is not None else time.perf_counter() - started
                 pieces.append(choice.delta.content)
             finish = choice.finish_reason or finish
     seconds = time.perf_counter() - started
-    tokens = usage.completion_tokens if usage else 0
+    tokens = usage.completion_tokens if usage else predicted
     return {"prompt": prompt, "text": "".join(pieces), "finish_reason": finish,
             "ttft_s": first, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else None}
 
 
 def server_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:  # another server (--url) may have no /metrics
+        return {}
     wanted = ["spec_decode_mean_acceptance_length", "spec_decode_draft_acceptance_rate",
               "avg_generation_throughput_toks_per_s", "generation_tokens_total",
               "mean_batch_size"]
@@ -145,7 +157,7 @@ def markdown(report: dict) -> str:
         f"{len(report['mismatches'])} differ")
     load = report.get("load_average")
     return "\n\n".join(textwrap.fill(block, 100) if block[0].isalpha() else block for block in [
-        "# `dresd serve` under load",
+        f"# `{report.get('server', 'dresd serve')}` under load",
         f"Measured {report['date']} on {report['machine']}, shared with other jobs (load "
         f"average {load[0]:.1f} before the run, {load[1]:.1f} after), {report['model']}, method "
         f"`{report['method']}`, greedy, max_tokens {report['max_tokens']}, the server in "
@@ -180,6 +192,23 @@ def markdown(report: dict) -> str:
     ]) + "\n"
 
 
+class ExternalServer:
+    """A server someone else started (--url): entered and left as LocalServer is, stopping
+    nothing; it has no log of ours to read."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def __enter__(self) -> ExternalServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def log(self) -> str:
+        return ""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
@@ -193,6 +222,16 @@ def main() -> int:
                         help="writes OUT.json and OUT.md")
     parser.add_argument("--render", action="store_true",
                         help="only write OUT.md again from OUT.json")
+    parser.add_argument("--url", default=None,
+                        help="drive the OpenAI-compatible server already running at URL "
+                             "(e.g. llama-server) instead of starting dresd serve; no method "
+                             "field is sent and the sequential AR phase is skipped")
+    parser.add_argument("--server-name", default=None,
+                        help="the server's name in the report (default: dresd serve)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sent in every request (default: none sent, the server's own)")
+    parser.add_argument("--extra-body", default="{}",
+                        help="JSON object of more fields for every request")
     args = parser.parse_args()
     if args.render:
         report = json.loads(args.out.with_suffix(".json").read_text())
@@ -203,17 +242,21 @@ def main() -> int:
                    "--max-queue", str(max(64, args.clients * 2)), "--log-level", "warning",
                    *args.server_args.split()]
     load_before = os.getloadavg()[0]
-    with LocalServer(server_args) as server:
+    extra: dict = json.loads(args.extra_body)
+    if args.temperature is not None:
+        extra["temperature"] = args.temperature
+    with ExternalServer(args.url) if args.url else LocalServer(server_args) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                timeout=600)
         model = client.models.list().data[0].id
-        extra: dict = {}
         stream_one(client, model, "Hello.", 4, extra)  # warm-up, not counted
 
-        started = time.perf_counter()
-        sequential_ar = [stream_one(client, model, p, args.max_tokens, {"method": "ar"})
-                         for p in PROMPTS]
-        sequential_ar_wall = time.perf_counter() - started
+        sequential_ar, sequential_ar_wall = None, None
+        if not args.url:
+            started = time.perf_counter()
+            sequential_ar = [stream_one(client, model, p, args.max_tokens,
+                                        {**extra, "method": "ar"}) for p in PROMPTS]
+            sequential_ar_wall = time.perf_counter() - started
         started = time.perf_counter()
         sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in PROMPTS]
         sequential_wall = time.perf_counter() - started
@@ -233,11 +276,13 @@ def main() -> int:
     report = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "model": model, "method": args.method, "threads": args.threads,
+        "model": model, "method": args.method if not args.url else "(the server's own)",
+        "threads": args.threads,
         "dtype": chosen.group(1) if chosen else args.dtype,
         "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
         "rounds": args.rounds,
-        "sequential_ar": summarize_phase(sequential_ar, sequential_ar_wall),
+        "server": args.server_name or ("dresd serve" if not args.url else args.url),
+        "request_fields": extra,
         "sequential": summarize_phase(sequential, sequential_wall),
         "concurrent": summarize_phase(concurrent, concurrent_wall),
         "cpu": cpu_model(),
@@ -246,14 +291,18 @@ def main() -> int:
         "server_metrics": figures,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
     }
-    report["concurrent_over_sequential_ar"] = (report["concurrent"]["tokens_per_s"]
-                                               / report["sequential_ar"]["tokens_per_s"])
+    report["sequential_outputs"] = [r["text"] for r in sequential]  # in PROMPTS order
+    if sequential_ar is not None:
+        report["sequential_ar"] = summarize_phase(sequential_ar, sequential_ar_wall)
+        report["sequential_ar_outputs"] = [r["text"] for r in sequential_ar]
+        report["concurrent_over_sequential_ar"] = (report["concurrent"]["tokens_per_s"]
+                                                   / report["sequential_ar"]["tokens_per_s"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
-    print(json.dumps({k: report[k] for k in ("sequential_ar", "sequential", "concurrent",
-                                              "concurrent_over_sequential_ar",
-                                              "identical_to_sequential")}, indent=2))
+    print(json.dumps({k: report.get(k) for k in ("sequential_ar", "sequential", "concurrent",
+                                                  "concurrent_over_sequential_ar",
+                                                  "identical_to_sequential")}, indent=2))
     return 0 if not mismatches and not incomplete else 1
 
 
