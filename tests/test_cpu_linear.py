@@ -57,7 +57,7 @@ def test_rows_do_not_depend_on_their_batch_or_threads(k, n):
     alone = torch.cat([cpu_linear.linear(x[m:m + 1], ours.packed_weight, n, ours.bias,
                                          threads=1) for m in range(513)])
     for rows in (1, 2, 3, 17, 64, 513):
-        for threads in (1, 2, 3):  # a single row splits its panels' parts among threads
+        for threads in (1, 2, 3):
             for first in (0, 513 - rows):  # different rows share the call
                 batch = cpu_linear.linear(x[first:first + rows], ours.packed_weight, n,
                                           ours.bias, threads=threads)

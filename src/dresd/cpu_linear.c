@@ -19,7 +19,7 @@
  * outputs n are independent of each other, so how the work is tiled (rows sharing a weight
  * load, panels of outputs per thread) changes which lanes and registers compute at the same
  * time, never the instructions applied to one output. Threads split the outputs (panels of
- * 64; for a single row, runs of 16-output parts) and, for many rows, the rows; never k.
+ * 64) and, for many rows, the rows; never k.
  *
  * The weight layout (packed once by cpu_linear.py, so that a panel streams contiguously):
  *   packed[panel][p][part][lane][2] = W[panel * 64 + part * 16 + lane][2p + (0, 1)]
@@ -27,7 +27,6 @@
  * 4 parts of 16 lanes: 256 bytes per pair of k, read once per row tile in address order.
  */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -50,15 +49,13 @@ static inline __m256i round_to_bf16(__m512 value) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* y rows [first, first + TILE) of one panel's first NPARTS parts (panel, bias, y and outputs
- * count from the first part computed): see the header for the order of each sum. */
-static inline __attribute__((always_inline)) void tile_parts(
-        const int TILE, const int NPARTS, const uint16_t *x, int64_t x_stride,
-        const uint16_t *panel, int pairs, const float *bias, uint16_t *y, int64_t y_stride,
-        int outputs) {
+/* y rows [first, first + TILE) of one panel: see the header for the order of each sum. */
+static inline __attribute__((always_inline)) void tile(
+        const int TILE, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int pairs,
+        const float *bias, uint16_t *y, int64_t y_stride, int outputs) {
     __m512 acc[MAX_TILE][PARTS];
     for (int i = 0; i < TILE; i++)
-        for (int part = 0; part < NPARTS; part++) acc[i][part] = _mm512_setzero_ps();
+        for (int part = 0; part < PARTS; part++) acc[i][part] = _mm512_setzero_ps();
     const int32_t *rows[MAX_TILE];
     for (int i = 0; i < TILE; i++) rows[i] = (const int32_t *)(x + i * x_stride);
     for (int p = 0; p < pairs; p++) {
@@ -68,16 +65,16 @@ static inline __attribute__((always_inline)) void tile_parts(
             _mm_prefetch((const char *)(w + PREFETCH * 2 * PANEL) + 64 * line, _MM_HINT_T0);
 #endif
         __m512bh weights[PARTS];
-        for (int part = 0; part < NPARTS; part++)
+        for (int part = 0; part < PARTS; part++)
             weights[part] = (__m512bh)_mm512_loadu_si512(w + part * 2 * LANES);
         for (int i = 0; i < TILE; i++) {
             __m512bh pair = (__m512bh)_mm512_set1_epi32(rows[i][p]); /* x[2p], x[2p + 1] */
-            for (int part = 0; part < NPARTS; part++)
+            for (int part = 0; part < PARTS; part++)
                 acc[i][part] = _mm512_dpbf16_ps(acc[i][part], pair, weights[part]);
         }
     }
     for (int i = 0; i < TILE; i++)
-        for (int part = 0; part < NPARTS; part++) {
+        for (int part = 0; part < PARTS; part++) {
             int first = part * LANES;
             if (first >= outputs) break;
             __m512 value = acc[i][part];
@@ -89,23 +86,6 @@ static inline __attribute__((always_inline)) void tile_parts(
             else
                 _mm256_mask_storeu_epi16(to, (__mmask16)((1u << (outputs - first)) - 1), out);
         }
-}
-
-#define tile(TILE, ...) tile_parts(TILE, PARTS, __VA_ARGS__) /* a whole panel */
-
-/* One row, parts [first_part, last_part) of one panel (1 to 4 of them). */
-static void row_parts(const uint16_t *x, const uint16_t *panel, int pairs, const float *bias,
-                      uint16_t *y, int outputs, int first_part, int last_part) {
-    int skip = first_part * LANES;
-    panel += first_part * 2 * LANES;
-    bias = bias ? bias + skip : NULL;
-    switch (last_part - first_part) {
-        case 4: tile_parts(1, 4, x, 0, panel, pairs, bias, y + skip, 0, outputs - skip); break;
-        case 3: tile_parts(1, 3, x, 0, panel, pairs, bias, y + skip, 0, outputs - skip); break;
-        case 2: tile_parts(1, 2, x, 0, panel, pairs, bias, y + skip, 0, outputs - skip); break;
-        case 1: tile_parts(1, 1, x, 0, panel, pairs, bias, y + skip, 0, outputs - skip); break;
-        default: break;
-    }
 }
 
 /* Rows [first, last) of one panel, MAX_TILE rows at a time, then the rest in one tile. */
@@ -136,30 +116,6 @@ void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t 
                   int pairs, int n, const float *bias, uint16_t *y, int64_t y_stride,
                   int threads) {
     int panels = (n + PANEL - 1) / PANEL;
-    if (rows == 1 && threads > 1) {
-        /* A decode step's row: whole panels would split 9 panels 5 : 4 between two threads.
-         * Threads take equal runs of parts (16 outputs, one cache line per pair of k) instead;
-         * each output is still one lane running the same instructions. */
-        int units = panels * PARTS;
-        if (threads > units) threads = units;
-#pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), count = omp_get_num_threads();
-            int first = (int)((int64_t)units * t / count);
-            int last = (int)((int64_t)units * (t + 1) / count);
-            for (int unit = first; unit < last;) {
-                int panel = unit / PARTS, part = unit % PARTS;
-                int end = (panel + 1) * PARTS < last ? (panel + 1) * PARTS : last;
-                int outputs = n - panel * PANEL < PANEL ? n - panel * PANEL : PANEL;
-                if (part * LANES < outputs)
-                    row_parts(x, packed + (int64_t)panel * pairs * 2 * PANEL, pairs,
-                              bias ? bias + panel * PANEL : NULL, y + panel * PANEL,
-                              outputs, part, end - panel * PARTS);
-                unit = end;
-            }
-        }
-        return;
-    }
     int groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
     int items = panels * groups;
     if (threads > items) threads = items; /* an idle thread would only add to the join */
