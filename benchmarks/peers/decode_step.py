@@ -48,7 +48,9 @@ def measure(threads: int, round_number: int) -> dict:
             speeds.append(TOKENS / seconds)
     return {"runner": "dresd", "round": round_number, "n_threads": threads,
             "avg_ts": statistics.mean(speeds), "stddev_ts": statistics.stdev(speeds),
-            "type_k": str(target.dtype), "linears": target.linears, "cpu_info": cpu_model()}
+            "type_k": str(target.dtype), "linears": target.linears, "cpu_info": cpu_model(),
+            "forward": ("C decoder" if getattr(engine.forward, "c_decoder", None) is not None
+                        else type(engine.forward).__name__)}
 
 
 def summarize(path: Path) -> str:
@@ -64,7 +66,8 @@ def summarize(path: Path) -> str:
         f"CPU: {cpu_model()} ({', '.join(bf16) or 'no native bf16'}); "
         f"llama.cpp {llama.get('build_commit', '?')} (llama-cpp-python 0.3.36's vendored "
         f"sources), bf16 GGUF converted from the default model; dresd in bf16, "
-        f"{next((r.get('linears') for r in rows if r['runner'] == 'dresd'), '?')} linears. "
+        f"{next((r.get('linears') for r in rows if r['runner'] == 'dresd'), '?')} linears, "
+        f"forward: {next((r.get('forward') for r in rows if r['runner'] == 'dresd'), '?')}. "
         f"Produced by `bash benchmarks/peers/llama_cpp.sh`: each figure the mean of "
         f"{len({r['round'] for r in rows})} interleaved rounds of 5 repetitions (± the mean "
         "deviation within a round).",
