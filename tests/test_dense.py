@@ -111,6 +111,19 @@ def test_first_draft_is_the_stored_continuation(store, request, default_target, 
     assert drafts[0] == continuation[1:11]
     assert len(drafts) <= drafter.num_drafts
     assert all(len(d) <= 10 for d in drafts)
+    # For hybrid: every kept neighbour's draft once, with how many neighbours propose it (the
+    # nearest one's whole)
+    candidates = drafter.candidates(context)
+    assert sum(c.neighbours for c in candidates) == len(drafter.neighbour_drafts(context, 10))
+    assert continuation[1:11] in [c.tokens for c in candidates]
+
+
+def test_another_shape_shares_the_opened_store_and_what_it_learned(datastore):
+    drafter = DenseDrafter(str(datastore), learn=True)
+    variant = drafter.with_options(max_tree_nodes=2, k=20)
+    assert variant.store is drafter.store and variant.learned is drafter.learned
+    assert (variant.k, variant.max_tree_nodes, drafter.k, drafter.max_tree_nodes) == (
+        20, 2, 200, None)
 
 
 def test_response_only_keys(tmp_path, default_target, id_corpus):

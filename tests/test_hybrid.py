@@ -23,7 +23,8 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
 from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.decoding.drafter import DraftContext, Drafter
+from dresd.decoding.drafter import Candidate, DraftContext, Drafter
+from dresd.drafters.dense import agreeing_prefixes
 from dresd.drafters.hybrid import (
     AcceptanceTable,
     CandidateTree,
@@ -31,7 +32,6 @@ from dresd.drafters.hybrid import (
     HybridDrafter,
     LastStep,
     SourceLedger,
-    agreeing_prefixes,
     best_budget,
 )
 
@@ -86,7 +86,7 @@ def test_dense_drafts_are_cut_where_no_other_neighbour_follows():
 def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
     tree = CandidateTree()
     for draft in ([1, 2, 3], [1, 4], [5], [6], [7]):
-        tree.add(draft, "pld")
+        tree.add(Candidate(draft), "pld")
     table = AcceptanceTable()
     nodes = range(1, len(tree.tokens))
     for cell in {tree.cell(v, v == tree.first_child(tree.parents[v])) for v in nodes}:
@@ -101,8 +101,8 @@ def test_reach_probabilities_fall_with_depth_and_siblings_share_one_token():
 
 def test_suffix_count_shares_are_a_feature_of_the_nodes_suffix_proposes():
     tree = CandidateTree()
-    tree.add([1, 2, 3], "suffix", shares=[0.9, 0.5, 0.1])
-    tree.add([1, 4], "pld")
+    tree.add(Candidate([1, 2, 3], shares=[0.9, 0.5, 0.1]), "suffix")
+    tree.add(Candidate([1, 4]), "pld")
     one = tree.children[0][1]
     two, four = tree.children[one][2], tree.children[one][4]
     three = tree.children[two][3]
@@ -269,9 +269,9 @@ def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed()
     accepted token from d on is lost, whoever proposed them."""
     drafter = HybridDrafter(cost={1: 1.0, 64: 1.0}, step_seconds=0.01)
     tree = CandidateTree()
-    tree.add([5, 6, 7, 8], "pld")
-    tree.add([5, 6], "suffix")  # 5, 6: both; 7, 8: pld alone
-    tree.add([5, 9], "suffix")  # 9: suffix alone, not accepted
+    tree.add(Candidate([5, 6, 7, 8]), "pld")
+    tree.add(Candidate([5, 6]), "suffix")  # 5, 6: both; 7, 8: pld alone
+    tree.add(Candidate([5, 9]), "suffix")  # 9: suffix alone, not accepted
     records = []
     drafter.ledger.record = lambda *args: records.append(args)
     prompt = np.arange(20, 40)
@@ -326,3 +326,35 @@ def test_hybrid_consults_a_source_that_does_not_pay_only_to_check_it(step_second
         explore = drafter.ledger.explore_every
         assert guesser.calls <= drafter.ledger.warmup + len(steps) // explore + 2
         assert drafter.ledger.lost["slow"] == 0
+
+
+def test_nodes_take_their_features_from_the_candidates_whatever_the_source_is_called():
+    """hybrid composes its sources without knowing them: a node's neighbours and count shares
+    are what its candidates carry, its source's name only one more feature."""
+    tree = CandidateTree()
+    tree.add(Candidate([1, 2, 3], neighbours=3), "a retriever")
+    tree.add(Candidate([1, 2], neighbours=2, shares=[0.5, 0.9]), "another")
+    tree.add(Candidate([1, 4]), "pld")
+    one = tree.children[0][1]
+    two = tree.children[one][2]
+    assert (tree.support[one], tree.votes[one]) == (5, 6)  # a neighbour is a vote; pld one
+    assert (tree.support[two], tree.votes[two]) == (5, 5)
+    assert tree.cell(two, True) == Cell(("a retriever", "another"), 3, 2, True, 2)
+    assert tree.cell(tree.children[one][4], False) == Cell(("pld",), 0, 2, False, -1)
+
+
+class Retriever(Drafter):
+    """A source hybrid has never heard of, whose drafts come with neighbour counts."""
+
+    def candidates(self, context: DraftContext) -> list[Candidate]:
+        return [Candidate([7, 8], neighbours=4), Candidate([7, 9], neighbours=1)]
+
+
+def test_hybrid_scores_a_new_source_by_the_features_it_gives():
+    drafter = HybridDrafter(cost={1: 1.0, 64: 1.0})
+    drafter.sources = {"retriever": Retriever()}
+    assert drafter.propose(context([1, 2, 3])) == [[7, 8], [7, 9]]
+    tree = drafter.last.tree
+    seven = tree.children[0][7]
+    assert tree.support[seven] == 5 and tree.cell(seven, True).support == 3
+    assert tree.first_child(seven) == tree.children[seven][8]  # four neighbours to one

@@ -181,6 +181,15 @@ def test_make_drafter_opens_a_folder(tmp_path):
         make_drafter("rest", datastore=tmp_path / "nowhere")
 
 
+def test_another_shape_shares_the_opened_index(tmp_path):
+    build_sparse(*concat([[1, 2, 3, 4]]), tmp_path / "store")
+    drafter = make_drafter("rest", datastore=str(tmp_path / "store"), learn=True)
+    variant = drafter.with_options(draft_len=1)
+    assert variant.index is drafter.index and variant.learned is not drafter.learned
+    assert variant.propose(DraftContext(np.array([1, 2]), torch.zeros(1), 10)) == [[3]]
+    assert drafter.propose(DraftContext(np.array([1, 2]), torch.zeros(1), 10)) == [[3, 4]]
+
+
 # ---- lossless through the engine ----
 
 @torch.inference_mode()

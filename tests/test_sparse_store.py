@@ -60,7 +60,7 @@ def test_sparse_build_holds_the_corpus_documents(tmp_path, source_tree, default_
 
     drafter = RestDrafter(str(out))
     expected = [doc.ids for doc in tokenize_corpus(default_target.tokenizer, spec)]
-    assert stored_documents(drafter.datastore) == expected  # the dense build's documents
+    assert stored_documents(drafter.index) == expected  # the dense build's documents
     assert manifest.num_corpus_tokens == sum(len(d) for d in expected)
 
     figures = describe(out, verify=True)
@@ -137,7 +137,7 @@ def test_dense_and_sparse_from_one_pass(tmp_path, default_target):
     assert manifest.kind == "dense,sparse"
     verify_store(out, manifest, full=True)  # raises if a file does not match
     dense = DenseDatastore(out)
-    sparse = RestDrafter(str(out)).datastore
+    sparse = RestDrafter(str(out)).index
     # The two parts index the same documents: the dense token stream, cut at its bounds.
     dense_docs = [dense.stream[a:b].tolist() for a, b in zip(dense.doc_starts[:-1],
                                                               dense.doc_starts[1:], strict=True)]

@@ -13,7 +13,7 @@ from test_lossless_greedy import reference_greedy, spec, varied_prompts
 
 from dresd.decoding.drafter import DraftContext
 from dresd.drafters import SuffixDrafter, make_drafter
-from dresd.drafters.suffix import Candidate, SuffixTrie, speculation_budget
+from dresd.drafters.suffix import SpeculationTree, SuffixTrie, speculation_budget
 
 
 def random_stream(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
@@ -36,11 +36,11 @@ def brute_count(sequences: list[list[int]], s: list[int]) -> int:
                for i in range(len(seq) - len(s) + 1))
 
 
-def brute_candidate(sequences, pattern, depth_limit, budget, min_prob, max_len, tree=True):
+def brute_tree(sequences, pattern, depth_limit, budget, min_prob, max_len, tree=True):
     """The best-first tree below `pattern`, with every count found by scanning the sequences:
     a node s + [t] has prob(s) * count(s + [t]) / count(s); strings longer than the trie's
     depth do not exist; the frontier node of highest prob (earliest pushed on ties) is next."""
-    candidate = Candidate()
+    grown = SpeculationTree()
     frontier = []  # (prob, push order, path, parent index)
     order = itertools.count()
 
@@ -58,35 +58,35 @@ def brute_candidate(sequences, pattern, depth_limit, budget, min_prob, max_len, 
                 frontier.append((p, next(order), path + [t], index))
 
     push_children([], 1.0, -1)
-    while frontier and len(candidate.tokens) < budget:
+    while frontier and len(grown.tokens) < budget:
         best = min(frontier, key=lambda item: (-item[0], item[1]))
         frontier.remove(best)
         prob, _, path, parent = best
-        candidate.tokens.append(path[-1])
-        candidate.parents.append(parent)
-        candidate.probs.append(prob)
-        push_children(path, prob, len(candidate.tokens) - 1)
-    return candidate
+        grown.tokens.append(path[-1])
+        grown.parents.append(parent)
+        grown.probs.append(prob)
+        push_children(path, prob, len(grown.tokens) - 1)
+    return grown
 
 
 def brute_best(drafter: SuffixDrafter, request: list[int], history: list[list[int]],
-               max_len: int) -> Candidate:
-    """The candidate by the module's rule, every match found by scanning the token lists."""
+               max_len: int) -> SpeculationTree:
+    """The speculation tree by the module's rule, every match found by scanning the token lists."""
     depth = drafter.max_depth
-    best = Candidate()
+    best = SpeculationTree()
     stores = [[request]] + ([history] if drafter.learn and history else [])
     for which, sequences in enumerate(stores):
-        store_best = Candidate()
+        store_best = SpeculationTree()
         for m in range(1, min(depth - 1, len(request)) + 1):
             pattern = request[-m:]
             if brute_count(sequences, pattern) == 0:
                 break
             budget = speculation_budget(m, drafter.max_spec_factor, drafter.max_spec_offset,
                                         drafter.max_tree_nodes)
-            candidate = brute_candidate(sequences, pattern, depth, budget,
-                                        drafter.min_token_prob, max_len, drafter.tree)
-            if candidate.tokens and candidate.score >= store_best.score:
-                store_best = candidate
+            grown = brute_tree(sequences, pattern, depth, budget, drafter.min_token_prob,
+                               max_len, drafter.tree)
+            if grown.tokens and grown.score >= store_best.score:
+                store_best = grown
         if which == 0 or store_best.score > best.score:
             best = store_best
     return best
@@ -195,11 +195,14 @@ def test_drafts_equal_brute_force_search(options):
             assert got == expected.drafts()
             assert all(len(d) <= max_len for d in got)
             drafted += len(got)
-            # Each path's count shares multiply to its leaf's prob, and each is a share.
-            paths = drafter.candidate(context).paths()
-            assert [path for path, _ in paths] == got
+            # As candidates (for hybrid): the same drafts, each token with its count share;
+            # a path's shares multiply to its leaf's prob.
+            candidates = drafter.candidates(context)
+            assert [candidate.tokens for candidate in candidates] == got
             leaves = [i for i in range(len(expected.tokens)) if i not in expected.parents]
-            for (_, shares), leaf in zip(paths, leaves, strict=True):
+            for candidate, leaf in zip(candidates, leaves, strict=True):
+                shares = candidate.shares
+                assert len(shares) == len(candidate.tokens) and candidate.neighbours == 0
                 assert all(0 < share <= 1 for share in shares)
                 assert np.prod(shares) == pytest.approx(expected.probs[leaf])
         drafter.observe(prompt, output)

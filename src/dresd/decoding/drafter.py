@@ -6,16 +6,27 @@ Drafts come in the drafter's order of preference; the loop merges them into one 
 verifies it in one target forward. A drafter may return no drafts: the step is then a plain
 one-token decode.
 
+A drafter that drafts for another (`hybrid` merges several sources into one tree) asks for
+`candidates` instead: the same drafts, each with what its drafter knows of it (how many
+retrieved neighbours propose it, how often its tokens followed in the drafter's data). Those
+are features `hybrid` learns acceptance by, without knowing which drafter it asks.
+
 Two more hooks, both no-ops unless a drafter needs them: `check_target` before the first step
 (a datastore refuses a model it was not built for; `hybrid` measures the verify-cost curve it
 budgets by) and `observe` after a generation ends (drafters that learn from finished outputs).
+
+A drafter's options are the fields of a frozen dataclass it derives from (what `make_drafter`
+passes, `--methods` may set and a bench report records); what it opens, learns or caches are
+plain attributes beside them. `fork` gives one more generation its own per-generation state,
+`with_options` another shape that shares what the drafter opened.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -35,9 +46,21 @@ class DraftContext:
     max_draft_len: int  # drafts are cut to this many tokens (fewer remain to be generated)
 
 
+class Candidate(NamedTuple):
+    """A draft with what its drafter knows of it: the features `hybrid` learns acceptance by."""
+
+    tokens: Draft
+    # how many of the drafter's retrieved neighbours propose it (DReSD: neighbours that agree
+    # make a draft likelier); 0 from a drafter that retrieves no neighbours
+    neighbours: int = 0
+    # per token, the share of the drafter's occurrences of what precedes it that continue with
+    # it (SuffixDecoding's count(s + [t]) / count(s)); None from a drafter that counts none
+    shares: list[float] | None = None
+
+
 class Drafter:
     """What every drafter is: `propose` is its own; the hooks do nothing unless it overrides
-    them. Drafters are dataclasses of their options (`make_drafter` builds one by name)."""
+    them. `make_drafter` builds one by name from its options."""
 
     name: str  # the method, as --method spells it
     # True for a drafter that prices its own trees by the verify-cost curve (hybrid): the
@@ -47,6 +70,11 @@ class Drafter:
     def propose(self, context: DraftContext) -> list[Draft]:
         """Drafts continuing `context.token_ids`, best first."""
         raise NotImplementedError
+
+    def candidates(self, context: DraftContext) -> list[Candidate]:
+        """`propose`'s drafts with their features, for a drafter that merges several drafters'
+        candidates (`hybrid`). A drafter that knows nothing more of its drafts gives none."""
+        return [Candidate(draft) for draft in self.propose(context)]
 
     def check_target(self, target: Target) -> None:
         """Called once with the target before generating: refuse one this drafter cannot
@@ -58,6 +86,12 @@ class Drafter:
         learned outputs, acceptance statistics) and keeps its own per-generation state.
         Drafters with no per-generation state are their own fork."""
         return self
+
+    def with_options(self, **options) -> Drafter:
+        """This drafter with some options changed (a server request's own tree shape, say),
+        built anew from them; a drafter that opened a datastore shares it instead of opening it
+        again. A UserError if an option's value is refused."""
+        return dataclasses.replace(self, **options)
 
     def observe(self, prompt: Sequence[int], output: Sequence[int],
                 hidden_states: torch.Tensor | None = None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.hybrid import HybridDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
@@ -12,7 +12,7 @@ from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.errors import UserError
 
-# method name -> drafter class; each takes its own keyword options
+# method name -> drafter class; each takes its options (its dataclass fields) as keywords
 DRAFTERS: dict[str, type] = {
     "none": NoDrafter,
     "pld": PromptLookupDrafter,
@@ -33,6 +33,6 @@ def make_drafter(method: str, **options) -> Drafter:
     return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
 
 
-__all__ = ["DRAFTERS", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter", "Drafter",
-           "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter", "SuffixDrafter",
-           "make_drafter"]
+__all__ = ["DRAFTERS", "Candidate", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter",
+           "Drafter", "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter",
+           "SuffixDrafter", "make_drafter"]

@@ -55,12 +55,14 @@ by score (the datastore's first on ties), are the neighbours.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 
 from dresd.datastore.dense import DenseDatastore
-from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.errors import UserError
@@ -79,9 +81,40 @@ def distinct_drafts(every: list[np.ndarray], num_drafts: int) -> list[Draft]:
     return drafts
 
 
-@dataclass
-class DenseDrafter(Drafter):
-    datastore: str  # folder of a dense datastore built for the target
+def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int]:
+    """The neighbours' drafts, each distinct one with its count, cut where no other draft
+    follows it any more: one token past the longest prefix it shares with another draft. The
+    nearest neighbour's draft and repeated drafts stay whole. A lone tail is a candidate that
+    one neighbour in k proposes, rarely worth a node; dropping it keeps `hybrid`'s tree (and
+    the time to build and score it) small."""
+    counts = Counter(tuple(d.tolist()) for d in neighbours)
+    if len(counts) < 2:
+        return dict(counts)
+    nearest = tuple(neighbours[0].tolist())
+    ordered = sorted(counts)  # drafts that share a prefix are neighbours in this order
+
+    def shared(a: tuple, b: tuple) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    lcp = [shared(a, b) for a, b in zip(ordered, ordered[1:], strict=False)]
+    kept: Counter = Counter()
+    for i, draft in enumerate(ordered):
+        whole = counts[draft] > 1 or draft == nearest
+        cut = max(lcp[i - 1] if i > 0 else 0, lcp[i] if i < len(lcp) else 0) + 1
+        kept[draft if whole else draft[:cut]] += counts[draft]
+    return dict(kept)
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """DenseDrafter's options (`--k`, `--num-drafts`, `--draft-len`, `--max-tree-nodes`,
+    `--learn`)."""
+
+    # a dense datastore built for the target: its folder, or one already opened (shared)
+    datastore: str | DenseDatastore
     k: int = 200  # neighbours searched (paper: 50; 200 measured better, see above)
     num_drafts: int = 10  # drafts per step at most (paper: 10)
     draft_len: int = 10  # tokens per draft at most (the paper's len_drafts: 10)
@@ -91,16 +124,26 @@ class DenseDrafter(Drafter):
     learn: bool = False  # also search keys of earlier outputs (in memory)
     max_cached_requests: int = 1000  # learned outputs kept, oldest evicted first...
     max_cached_tokens: int = 100_000  # ... and learned tokens kept
-    name: str = "dresd"
-    store: DenseDatastore = field(init=False, repr=False)
-    learned: LearnedDenseStore | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.num_drafts < 1 or self.draft_len < 1:
             raise UserError("DReSD needs k, num_drafts and draft_len >= 1")
         if self.max_tree_nodes is not None and self.max_tree_nodes < 1:
             raise UserError("DReSD needs max_tree_nodes >= 1 (or None: the paper's shape)")
-        self.store = DenseDatastore(self.datastore)
+
+
+class DenseDrafter(DenseOptions, Drafter):
+    """Its options, the datastore it opened and (with `learn`) the outputs it learned."""
+
+    name = "dresd"
+    store: DenseDatastore
+    learned: LearnedDenseStore | None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        opened = isinstance(self.datastore, DenseDatastore)
+        self.store = self.datastore if opened else DenseDatastore(self.datastore)
+        self.learned = None
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
@@ -108,6 +151,13 @@ class DenseDrafter(Drafter):
     def check_target(self, target: Target) -> None:
         """Refuse a datastore built by another model or tokenizer (the runner calls this)."""
         self.store.check_compatible(target)
+
+    def with_options(self, **options) -> DenseDrafter:
+        """Another shape over the same opened datastore and the same learned outputs."""
+        variant = dataclasses.replace(self, **{"datastore": self.store, **options})
+        if variant.learn and self.learned is not None:
+            variant.learned = self.learned
+        return variant
 
     def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[np.ndarray]:
         """Every kept neighbour's draft, in rank order, repeats included: the entries (of the
@@ -134,6 +184,16 @@ class DenseDrafter(Drafter):
         if self.max_tree_nodes is not None:
             return prefix_tree_drafts(every, self.max_tree_nodes)
         return distinct_drafts(every, self.num_drafts)
+
+    def candidates(self, context: DraftContext) -> list[Candidate]:
+        """Every kept neighbour's draft, with the number of neighbours that propose it; drafts
+        cut where no other neighbour follows them (`agreeing_prefixes`)."""
+        draft_len = min(self.draft_len, context.max_draft_len)
+        if draft_len < 1:
+            return []
+        neighbours = self.neighbour_drafts(context, draft_len)
+        return [Candidate(list(draft), neighbours=count)
+                for draft, count in agreeing_prefixes(neighbours).items()]
 
     def _learned_neighbours(self, state: np.ndarray, bonus: int, draft_len: int
                             ) -> list[np.ndarray]:

@@ -6,7 +6,10 @@ machine's verify-cost curve. At every step this drafter:
 
 1. Collects candidates: PLD's drafts, SuffixDecoding's tree (over this request and earlier
    outputs), REST's most frequent prefixes and every DReSD neighbour's draft (whichever the
-   datastore holds), merged into one trie rooted at the bonus token.
+   datastore holds), merged into one trie rooted at the bonus token. Each source gives them
+   with their features (`Drafter.candidates`: DReSD how many neighbours propose each draft,
+   SuffixDecoding each token's count share), so hybrid treats every source alike; a source's
+   name is one more feature of the nodes it proposes.
 2. Gives each node v an acceptance estimate. p(v) = P(v accepted | its parent accepted) is read
    from a table of Beta posteriors keyed by the node's features: which sources propose it, how
    many dense neighbours agree on it (0, 1, 2-3, 4+), its depth (1, 2, 3, 4+), whether it is
@@ -61,7 +64,7 @@ import numpy as np
 from dresd.calibrate import cached_step_seconds, cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
-from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter
@@ -74,10 +77,10 @@ class Cell(NamedTuple):
     """The features a node's acceptance is learned by: nodes of one cell share a posterior."""
 
     sources: tuple[str, ...]  # the sources that propose the node, sorted
-    support: int  # dense neighbours agreeing on it, bucketed (`support_bucket`)
+    support: int  # retrieved neighbours agreeing on it (DReSD's), bucketed (`support_bucket`)
     depth: int  # its depth in the tree, 4 for 4 and deeper
     first: bool  # whether it is the child most candidates pass through among its siblings
-    share: int  # SuffixDecoding's count share, bucketed (`share_bucket`); -1: not a suffix node
+    share: int  # the best count share a source gave it, bucketed; -1: none gave one
 
 
 def support_bucket(neighbours: int) -> int:
@@ -146,18 +149,19 @@ class CandidateTree:
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
     sources: list[tuple[str, ...]] = field(default_factory=lambda: [()])  # sorted names
-    support: list[int] = field(default_factory=lambda: [0])  # dense neighbours through node
+    support: list[int] = field(default_factory=lambda: [0])  # neighbours through node
     votes: list[int] = field(default_factory=lambda: [0])  # candidates through node, any source
-    # SuffixDecoding's share bucket of the node (`share_bucket`); -1: not a suffix node
+    # the best count share a source gave the node, bucketed (`share_bucket`); -1: none
     shares: list[int] = field(default_factory=lambda: [-1])
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
-    def add(self, draft: Draft, source: str, repeats: int = 1,
-            shares: list[float] | None = None) -> None:
-        """Add one candidate (proposed `repeats` times: dense neighbours that agree; `shares`:
-        SuffixDecoding's count share of each token)."""
+    def add(self, candidate: Candidate, source: str, max_len: int | None = None) -> None:
+        """Add the first `max_len` tokens of one of `source`'s candidates, with its features:
+        the neighbours that propose it (each one a vote, and support) and its count shares."""
+        tokens, neighbours, shares = candidate
+        votes = max(neighbours, 1)  # once, or once for each neighbour proposing it
         node = 0
-        for position, token in enumerate(draft):
+        for position, token in enumerate(tokens[:max_len]):
             child = self.children[node].get(int(token))
             if child is None:
                 child = len(self.tokens)
@@ -172,8 +176,8 @@ class CandidateTree:
                 self.children[node][int(token)] = child
             if source not in self.sources[child]:
                 self.sources[child] = tuple(sorted((*self.sources[child], source)))
-            self.support[child] += repeats if source == "dresd" else 0
-            self.votes[child] += repeats
+            self.support[child] += neighbours
+            self.votes[child] += votes
             if shares is not None:
                 self.shares[child] = max(self.shares[child], share_bucket(shares[position]))
             node = child
@@ -213,33 +217,6 @@ class CandidateTree:
             tokens.append(self.tokens[node])
             node = self.parents[node]
         return tokens[::-1]
-
-
-def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int]:
-    """The dense neighbours' drafts, each distinct one with its count, cut where no other draft
-    follows it any more: one token past the longest prefix it shares with another draft. The
-    nearest neighbour's draft and repeated drafts stay whole. A lone tail is a candidate that
-    one neighbour in k proposes, rarely worth a node; dropping it keeps the tree (and the time
-    to build and score it) small."""
-    counts = Counter(tuple(d.tolist()) for d in neighbours)
-    if len(counts) < 2:
-        return dict(counts)
-    nearest = tuple(neighbours[0].tolist())
-    ordered = sorted(counts)  # drafts that share a prefix are neighbours in this order
-
-    def shared(a: tuple, b: tuple) -> int:
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    lcp = [shared(a, b) for a, b in zip(ordered, ordered[1:], strict=False)]
-    kept: Counter = Counter()
-    for i, draft in enumerate(ordered):
-        whole = counts[draft] > 1 or draft == nearest
-        cut = max(lcp[i - 1] if i > 0 else 0, lcp[i] if i < len(lcp) else 0) + 1
-        kept[draft if whole else draft[:cut]] += counts[draft]
-    return dict(kept)
 
 
 @dataclass
@@ -315,7 +292,13 @@ def best_budget(reach: list[float], costs: np.ndarray) -> int:
 
 
 @dataclass
-class HybridDrafter(Drafter):
+class HybridOptions:
+    """HybridDrafter's options (`--datastore`, `--draft-len`, `--max-tree-nodes`, `--learn`).
+
+    Not frozen, unlike the other drafters' options: `check_target` fills in `cost` and
+    `step_seconds` where they are None (this machine's, measured once), and a bench report
+    reads the curve back from `drafter.cost`."""
+
     datastore: str | Path | None = None  # dense and/or sparse parts add DReSD and REST
     draft_len: int = 10  # tokens per candidate at most
     max_tree_nodes: int = 64  # candidates considered at most (the most probable)
@@ -336,20 +319,30 @@ class HybridDrafter(Drafter):
     # finished outputs kept: None (default) by suffix only; True by suffix, REST and DReSD;
     # False by none
     learn: bool | None = None
-    name: str = "hybrid"
-    table: AcceptanceTable = field(init=False, repr=False)
-    costs: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False, repr=False)
-    sources: dict = field(init=False, repr=False)
-    ledger: SourceLedger = field(default_factory=SourceLedger, init=False, repr=False)
-    # what the ledger's seconds are read from: a test sets a clock it advances itself, so that
-    # the ledger's verdicts do not depend on how loaded the machine is
-    clock: Callable[[], float] = field(default=time.perf_counter, init=False, repr=False)
-    steps: int = field(default=0, init=False, repr=False)  # calls to propose
-    last: LastStep | None = field(default=None, init=False, repr=False)  # the previous step
 
     def __post_init__(self) -> None:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.neighbours < 1:
             raise UserError("hybrid needs draft_len, max_tree_nodes and neighbours >= 1")
+
+
+class HybridDrafter(HybridOptions, Drafter):
+    """Its options, its sources (each a drafter of its own), the acceptance table and the
+    source ledger it learns, and the step it drafted last."""
+
+    name = "hybrid"
+    sizes_its_trees = True  # its own budget (`choose_budget`) prices each tree by the curve
+    sources: dict[str, Drafter]  # name (a feature of the nodes it proposes) -> source
+    table: AcceptanceTable
+    ledger: SourceLedger
+    costs: np.ndarray  # cost(t) for tree sizes t = 0, 1, ... (`cost_table`), grown on demand
+    # what the ledger's seconds are read from: a test sets a clock it advances itself, so that
+    # the ledger's verdicts do not depend on how loaded the machine is
+    clock: Callable[[], float]
+    steps: int  # calls to propose
+    last: LastStep | None  # the previous step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.table = AcceptanceTable(self.prior_strength)
         if self.prior is not None:
             self.table.load_prior(self.prior)
@@ -366,8 +359,10 @@ class HybridDrafter(Drafter):
                 self.sources["dresd"] = DenseDrafter(self.datastore, k=self.neighbours,
                                                      draft_len=self.draft_len,
                                                      learn=stores_learn)
-
-    sizes_its_trees = True  # its own budget (`choose_budget`) prices each tree by the curve
+        self.ledger = SourceLedger()
+        self.costs = np.zeros(0)
+        self.clock = time.perf_counter
+        self.steps, self.last = 0, None
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
@@ -396,20 +391,12 @@ class HybridDrafter(Drafter):
         skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
         tree, source_seconds = CandidateTree(), {}
         draft_len = min(self.draft_len, context.max_draft_len)
-        for name in self.sources if draft_len >= 1 else []:
+        for name, source in self.sources.items() if draft_len >= 1 else []:
             if name == skip:
                 continue
             source_started = self.clock()
-            if name == "dresd":  # every neighbour counts: agreement is a feature
-                neighbours = self.sources[name].neighbour_drafts(context, draft_len)
-                for draft, repeats in agreeing_prefixes(neighbours).items():
-                    tree.add(draft, name, repeats)
-            elif name == "suffix":  # its count shares are a feature
-                for draft, shares in self.sources[name].candidate(context).paths():
-                    tree.add(draft[:draft_len], name, shares=shares)
-            else:
-                for draft in self.sources[name].propose(context):
-                    tree.add(draft[:draft_len], name)
+            for candidate in source.candidates(context):
+                tree.add(candidate, name, draft_len)
             source_seconds[name] = self.clock() - source_started
         length = len(context.token_ids)
         step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),

@@ -16,13 +16,15 @@ from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
-@dataclass
+@dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
+    """Its options are all it is: it keeps no state."""
+
+    name = "pld"
     max_ngram: int = 3  # longest suffix of the context to look up
     min_ngram: int = 1  # shortest suffix worth a draft
     draft_len: int = 10  # tokens per draft
     num_drafts: int = 1  # distinct continuations (most recent match first) per step
-    name: str = "pld"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:

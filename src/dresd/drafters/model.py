@@ -10,7 +10,7 @@ forward.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -19,13 +19,12 @@ from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
-@dataclass
-class DraftModelDrafter(Drafter):
+@dataclass(frozen=True)
+class DraftModelOptions:
+    """DraftModelDrafter's options (`--draft-model`, `--draft-len`)."""
+
     model: PreTrainedModel | None = None  # the small model; shares the target's vocabulary
     draft_len: int = 5  # tokens per draft: one small-model forward each
-    name: str = "draft"
-    _cache: DynamicCache | None = field(default=None, repr=False)
-    _cached_tokens: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -33,9 +32,22 @@ class DraftModelDrafter(Drafter):
         if self.draft_len < 1:
             raise UserError("draft_len must be >= 1")
 
+
+class DraftModelDrafter(DraftModelOptions, Drafter):
+    """Its options and the small model's KV cache of the generation it drafts for."""
+
+    name = "draft"
+    cache: DynamicCache | None  # None until its first step
+    cached_tokens: list[int]  # the tokens `cache` holds
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.cache = None
+        self.cached_tokens = []
+
     def fork(self) -> DraftModelDrafter:
         """The same small model with a KV cache of its own (one per generation)."""
-        return dataclasses.replace(self, _cache=None, _cached_tokens=[])
+        return dataclasses.replace(self)
 
     @torch.inference_mode()
     def propose(self, context: DraftContext) -> list[Draft]:
@@ -45,7 +57,7 @@ class DraftModelDrafter(Drafter):
             return []
         self._sync_cache(tokens)
         # Feed what the cache has not seen (at least the last token), then decode greedily.
-        unseen = tokens[len(self._cached_tokens) :]
+        unseen = tokens[len(self.cached_tokens) :]
         draft: Draft = []
         for _ in range(draft_len):
             logits = self._forward(unseen)
@@ -56,21 +68,21 @@ class DraftModelDrafter(Drafter):
     def _sync_cache(self, tokens: list[int]) -> None:
         """Cut the cache back to its longest common prefix with `tokens`, leaving >= 1 unseen.
         A new prompt simply shares a shorter prefix (often the chat template's preamble)."""
-        if self._cache is None:
-            self._cache = DynamicCache(config=self.model.config)
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
         common = 0
-        limit = min(len(tokens) - 1, len(self._cached_tokens))
-        while common < limit and tokens[common] == self._cached_tokens[common]:
+        limit = min(len(tokens) - 1, len(self.cached_tokens))
+        while common < limit and tokens[common] == self.cached_tokens[common]:
             common += 1
-        self._cache.crop(common - self._cache.get_seq_length())
-        self._cached_tokens = tokens[:common]
+        self.cache.crop(common - self.cache.get_seq_length())
+        self.cached_tokens = tokens[:common]
 
     def _forward(self, new_tokens: list[int]) -> torch.Tensor:
-        start = len(self._cached_tokens)
+        start = len(self.cached_tokens)
         device = next(self.model.parameters()).device  # the draft model's, like the target's
         positions = torch.arange(start, start + len(new_tokens), device=device)[None]
         out = self.model(input_ids=torch.tensor([new_tokens], device=device),
-                         position_ids=positions, cache=self._cache, use_cache=True,
+                         position_ids=positions, cache=self.cache, use_cache=True,
                          logits_to_keep=1)
-        self._cached_tokens += new_tokens
+        self.cached_tokens += new_tokens
         return out.logits[0, -1]

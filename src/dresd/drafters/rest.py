@@ -35,7 +35,8 @@ either store, step 2 up to k matches from each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,9 +51,11 @@ from dresd.errors import UserError
 from dresd.models import Target
 
 
-@dataclass
-class RestDrafter(Drafter):
-    datastore: SparseIndex | str | Path | None = None  # the index, or a datastore folder
+@dataclass(frozen=True)
+class RestOptions:
+    """RestDrafter's options (`--rest-*`, `--draft-len`, `--max-tree-nodes`, `--learn`)."""
+
+    datastore: SparseIndex | str | Path | None = None  # a datastore folder, or an opened index
     max_suffix: int = 16  # longest context suffix looked up
     min_suffix: int = 2  # shortest context suffix looked up
     max_matches: int = 5000  # k: continuations taken from the first matches in suffix order
@@ -61,33 +64,47 @@ class RestDrafter(Drafter):
     learn: bool = False  # also search the outputs of earlier generations (in memory)
     max_cached_requests: int = 1000  # learned outputs kept, oldest evicted first...
     max_cached_tokens: int = 100_000  # ... and learned tokens kept
-    name: str = "rest"
-    learned: LearnedSparseStore | None = field(default=None, init=False, repr=False)
-    manifest: Manifest | None = field(default=None, init=False, repr=False)  # None: bare index
-    folder: str | Path | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.datastore is None:
             raise UserError("REST needs a sparse datastore (--datastore DIR)")
-        if not isinstance(self.datastore, SparseIndex):
-            self.folder = self.datastore
-            self.datastore, self.manifest = open_sparse_datastore(self.datastore)
         if not 1 <= self.min_suffix <= self.max_suffix:
             raise UserError("REST needs 1 <= min_suffix <= max_suffix")
         if self.max_matches < 1 or self.draft_len < 1 or self.max_tree_nodes < 1:
             raise UserError("REST needs max_matches, draft_len and max_tree_nodes >= 1")
-        if self.learn:
-            self.learned = LearnedSparseStore(self.max_cached_requests, self.max_cached_tokens)
+
+
+class RestDrafter(RestOptions, Drafter):
+    """Its options, the suffix array it opened and (with `learn`) the outputs it learned."""
+
+    name = "rest"
+    index: SparseIndex  # the datastore's suffix array
+    manifest: Manifest | None  # None: a bare index, or one opened by another drafter
+    learned: LearnedSparseStore | None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.datastore, SparseIndex):
+            self.index, self.manifest = self.datastore, None
+        else:
+            self.index, self.manifest = open_sparse_datastore(self.datastore)
+        self.learned = (LearnedSparseStore(self.max_cached_requests, self.max_cached_tokens)
+                        if self.learn else None)
 
     def check_target(self, target: Target) -> None:
         """Refuse a target whose tokenizer did not build the datastore (the runner calls this)."""
-        check_sparse_target(self.manifest, target, self.folder or "the datastore")
+        opened = isinstance(self.datastore, SparseIndex)
+        check_sparse_target(self.manifest, target, "the datastore" if opened else self.datastore)
+
+    def with_options(self, **options) -> RestDrafter:
+        """Another shape over the same opened suffix array (its learned outputs its own)."""
+        return dataclasses.replace(self, **{"datastore": self.index, **options})
 
     def propose(self, context: DraftContext) -> list[Draft]:
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
-        indexes: list[SparseIndex] = [self.datastore]
+        indexes: list[SparseIndex] = [self.index]
         if self.learned is not None and self.learned.index is not None:
             indexes.append(self.learned.index)
         # Steps 1 and 2: the longest suffix with a match in any store, and its matches there.

@@ -19,7 +19,7 @@ default bound of 100k tokens holds ~30 MB.
 
 At each step, with c the context (prompt + output, ending with the bonus token), in each trie:
 
-1. For every match length m = 1 .. D - 1 whose pattern p = c[-m:] is in the trie: a candidate
+1. For every match length m = 1 .. D - 1 whose pattern p = c[-m:] is in the trie: a speculation
    tree grows from node p, best first. A node s + [t] below p has the score
 
        prob(s + [t]) = prob(s) * count(s + [t]) / count(s),      prob(p) = 1,
@@ -29,10 +29,10 @@ At each step, with c the context (prompt + output, ending with the bonus token),
    prob is added until the tree holds `budget(m) = min(max_tree_nodes, floor(max_spec_factor * m
    + max_spec_offset))` tokens; nodes with prob < `min_token_prob` are never added. Longer
    matches earn bigger trees: the speculation budget grows with the match length.
-2. The candidate's score is the sum of its nodes' probs: the expected number of accepted tokens
+2. The tree's score is the sum of its nodes' probs: the expected number of accepted tokens
    if the counts were the model's probabilities.
 
-The candidate of highest score over all m and both tries is drafted (ties: the longer match,
+The tree of highest score over all m and both tries is drafted (ties: the longer match,
 then the per-request trie). Its root-to-leaf paths are the drafts. Trees are no deeper than
 D - m (the trie's depth) nor than the tokens left to generate.
 
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.errors import UserError
 
 
@@ -176,7 +176,7 @@ def _subtree_size(node: Node) -> int:
 
 
 @dataclass
-class Candidate:
+class SpeculationTree:
     """A speculation tree: tokens[i] hangs below parents[i] (-1: below the matched pattern)."""
 
     tokens: list[int] = field(default_factory=list)
@@ -212,12 +212,12 @@ class Candidate:
 
 
 def expand(trie: SuffixTrie, match: Node, match_len: int, budget: int, min_prob: float,
-           max_len: int, tree: bool = True) -> Candidate:
+           max_len: int, tree: bool = True) -> SpeculationTree:
     """The best-first speculation tree below `match` (a node of `trie` at depth `match_len`; see
     the module docstring): at most `budget` tokens, `max_len` deep, every node's prob >=
     `min_prob`. `tree=False`: one path, the most frequent child at each step (ties: the smaller
     token id)."""
-    candidate = Candidate()
+    grown = SpeculationTree()
     order = 0  # insertion counter: equal probs leave the frontier first in, first out
     frontier: list[tuple[float, int, int, Node, int, int]] = []
 
@@ -237,13 +237,13 @@ def expand(trie: SuffixTrie, match: Node, match_len: int, budget: int, min_prob:
                 order += 1
 
     push_children(match, 1.0, -1, 0)
-    while frontier and len(candidate.tokens) < budget:
+    while frontier and len(grown.tokens) < budget:
         neg_prob, _, token, node, parent, depth = heapq.heappop(frontier)
-        candidate.tokens.append(token)
-        candidate.parents.append(parent)
-        candidate.probs.append(-neg_prob)
-        push_children(node, -neg_prob, len(candidate.tokens) - 1, depth)
-    return candidate
+        grown.tokens.append(token)
+        grown.parents.append(parent)
+        grown.probs.append(-neg_prob)
+        push_children(node, -neg_prob, len(grown.tokens) - 1, depth)
+    return grown
 
 
 def speculation_budget(match_len: int, factor: float, offset: float, max_nodes: int) -> int:
@@ -251,8 +251,10 @@ def speculation_budget(match_len: int, factor: float, offset: float, max_nodes: 
     return max(0, min(max_nodes, int(match_len * factor + offset + 1e-6)))
 
 
-@dataclass
-class SuffixDrafter(Drafter):
+@dataclass(frozen=True)
+class SuffixOptions:
+    """SuffixDrafter's options (`--suffix-*`, `--max-tree-nodes`, `--learn`)."""
+
     max_depth: int = 24  # D: the tries' depth; a match of m tokens drafts at most D - m deep
     max_tree_nodes: int = 32  # tokens per speculation tree at most (vLLM's num_speculative_tokens)
     max_spec_factor: float = 1.0  # budget = floor(factor * match length + offset) tokens
@@ -262,12 +264,6 @@ class SuffixDrafter(Drafter):
     learn: bool = True  # keep finished outputs in the global trie (the paper's global tree)
     max_cached_requests: int = 1000  # global trie: oldest outputs evicted beyond this many...
     max_cached_tokens: int = 100_000  # ... or beyond this many tokens (~280 bytes each)
-    name: str = "suffix"
-    global_trie: SuffixTrie = field(init=False, repr=False)
-    cached: deque = field(init=False, repr=False)  # outputs in the global trie, oldest first
-    request_trie: SuffixTrie = field(init=False, repr=False)
-    request_tokens: np.ndarray = field(init=False, repr=False)  # what request_trie holds
-    request_active: list[Node] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_depth < 2:
@@ -277,6 +273,21 @@ class SuffixDrafter(Drafter):
                             "min_token_prob >= 0")
         if self.max_cached_requests < 0 or self.max_cached_tokens < 0:
             raise UserError("suffix needs max_cached_requests and max_cached_tokens >= 0")
+
+
+class SuffixDrafter(SuffixOptions, Drafter):
+    """Its options, the global trie of finished outputs (shared by its forks) and the trie of
+    the request it drafts for (its own)."""
+
+    name = "suffix"
+    global_trie: SuffixTrie
+    cached: deque[list[int]]  # the outputs in the global trie, oldest first
+    request_trie: SuffixTrie
+    request_tokens: np.ndarray  # what request_trie holds
+    request_active: list[Node]  # its nodes of the held tokens' suffixes (`SuffixTrie.append`)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.global_trie = SuffixTrie(self.max_depth)
         self.cached = deque()
         self._reset_request()
@@ -304,34 +315,41 @@ class SuffixDrafter(Drafter):
             self.request_active = self.request_trie.append(self.request_active, token)
         self.request_tokens = np.array(tokens, dtype=np.int64)
 
-    def best_candidate(self, trie: SuffixTrie, tokens: Sequence[int], max_len: int) -> Candidate:
-        """The highest-scoring candidate of `trie` over all match lengths (longer wins ties)."""
-        best = Candidate()
+    def best_tree(self, trie: SuffixTrie, tokens: Sequence[int], max_len: int
+                  ) -> SpeculationTree:
+        """The highest-scoring speculation tree of `trie` over all match lengths (longer wins
+        ties)."""
+        best = SpeculationTree()
         for match_len in range(1, min(trie.max_depth - 1, len(tokens)) + 1):
             match = trie.find(tokens[len(tokens) - match_len :])
             if match is None:
                 break  # a longer pattern contains this one, so it cannot occur either
             budget = speculation_budget(match_len, self.max_spec_factor, self.max_spec_offset,
                                         self.max_tree_nodes)
-            candidate = expand(trie, match, match_len, budget, self.min_token_prob, max_len,
-                               self.tree)
-            if candidate.tokens and candidate.score >= best.score:
-                candidate.match_len = match_len
-                best = candidate
+            grown = expand(trie, match, match_len, budget, self.min_token_prob, max_len,
+                           self.tree)
+            if grown.tokens and grown.score >= best.score:
+                grown.match_len = match_len
+                best = grown
         return best
 
     def propose(self, context: DraftContext) -> list[Draft]:
-        return self.candidate(context).drafts()
+        return self.speculation_tree(context).drafts()
 
-    def candidate(self, context: DraftContext) -> Candidate:
+    def candidates(self, context: DraftContext) -> list[Candidate]:
+        """`propose`'s drafts, each token with its count share count(s + [t]) / count(s)."""
+        return [Candidate(draft, shares=shares)
+                for draft, shares in self.speculation_tree(context).paths()]
+
+    def speculation_tree(self, context: DraftContext) -> SpeculationTree:
         """The speculation tree `propose` drafts, with its nodes' probs."""
         if context.max_draft_len < 1:
-            return Candidate()
+            return SpeculationTree()
         self._update_request(context.token_ids)
         tail = context.token_ids[-(self.max_depth - 1) :].tolist()
-        best = self.best_candidate(self.request_trie, tail, context.max_draft_len)
+        best = self.best_tree(self.request_trie, tail, context.max_draft_len)
         if self.learn and self.cached:
-            other = self.best_candidate(self.global_trie, tail, context.max_draft_len)
+            other = self.best_tree(self.global_trie, tail, context.max_draft_len)
             if other.score > best.score:
                 best = other
         return best

@@ -20,7 +20,6 @@ worker hands them to the request's asyncio queue. A request whose client went aw
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import queue
 import threading
@@ -33,7 +32,7 @@ from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request, Running
-from dresd.drafters import DenseDrafter, Drafter, DraftModelDrafter, NoDrafter, make_drafter
+from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
@@ -286,14 +285,12 @@ class Engine:
 
 
 def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
-    """`base` with some options changed, sharing its loaded datastore; a RequestError if an
-    option does not apply to the drafter or has a value it refuses."""
+    """`base` with some options changed, sharing its opened datastore (`with_options`); a
+    RequestError if an option does not apply to the drafter or has a value it refuses."""
     if not options:
         return base
-    dense = isinstance(base, DenseDrafter)
     fields = {f.name for f in dataclasses.fields(base) if f.init}
     takes = sorted(key for key in REQUEST_DRAFTER_OPTIONS if key in fields)
-    changes = {}
     for key, value in options.items():
         if key not in takes:
             raise RequestError(f"option {key} does not apply to method {base.name}; it takes "
@@ -301,19 +298,8 @@ def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
         if not 1 <= value <= REQUEST_DRAFTER_OPTIONS[key]:
             raise RequestError(f"option {key} must be between 1 and "
                                f"{REQUEST_DRAFTER_OPTIONS[key]}, got {value}", param=key)
-        changes[key] = value
-    if dense:
-        # replace() would open the datastore again; a copy shares it. The range check above is
-        # all that DenseDrafter itself checks.
-        variant = copy.copy(base)
-        for name, value in changes.items():
-            setattr(variant, name, value)
-        return variant
-    if isinstance(base, DraftModelDrafter):
-        changes.update(_cache=None, _cached_tokens=[])  # its own small-model cache, not base's
     try:
-        # The other drafters' __post_init__ only checks (REST keeps its opened index).
-        return dataclasses.replace(base, **changes)
+        return base.with_options(**options)
     except ValueError as err:
         raise RequestError(str(err)) from None
 
