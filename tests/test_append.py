@@ -171,11 +171,11 @@ def saved_output(path, target: Target, **made_by) -> CorpusSpec:
 
 
 def test_outputs_of_another_model_or_tokenizer_are_refused(tmp_path, corpora, default_target):
-    from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
+    from dresd.fingerprint import tokenizer_fingerprint
 
     store = build(default_target, corpora[0], tmp_path / "store", "sparse")
     manifest_text = (store / "manifest.json").read_text()
-    ours = {"model_fingerprint": model_fingerprint(default_target.model),
+    ours = {"model_fingerprint": default_target.fingerprint,
             "tokenizer_fingerprint": tokenizer_fingerprint(default_target.tokenizer)}
     for part in ("model", "tokenizer"):
         spec = saved_output(tmp_path / f"{part}.jsonl", default_target,

@@ -304,8 +304,6 @@ def test_a_full_queue_is_503(servers):
 
 def test_saved_outputs_hold_the_exact_ids(servers, default_target):
     """--save-outputs: each generation a corpus row, ids as the model saw and produced them."""
-    from dresd.fingerprint import model_fingerprint
-
     small, saved = servers[1], servers[2]
     client = openai.OpenAI(base_url=small.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
@@ -315,7 +313,7 @@ def test_saved_outputs_hold_the_exact_ids(servers, default_target):
     assert row["prompt_ids"] == encode_prompt(tokenizer, QUESTIONS[3])
     assert tokenizer.decode(row["token_ids"], skip_special_tokens=True) == reply
     assert row["response"] == reply and row["prompt"] == tokenizer.decode(row["prompt_ids"])
-    assert row["model_fingerprint"] == model_fingerprint(default_target.model)
+    assert row["model_fingerprint"] == default_target.fingerprint
 
 
 def test_a_client_that_leaves_stops_its_generation(servers):

@@ -1,8 +1,8 @@
 """Fingerprints of a model and a tokenizer: what binds a datastore, a corpus of token ids or a
 cached cost curve to the checkpoint that made it.
 
-A leaf module (it imports no other dresd module): the model loader stores a fingerprint on the
-model it loads, and the datastores, corpora and calibration compare them.
+A leaf module (it imports no other dresd module): the model loader keeps a loaded target's
+fingerprint on its `Target`, and the datastores, corpora and calibration compare them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     models, so the hash covers the config's shape fields and the weights that differ between
     any two distinct checkpoints in practice (first embedding rows, the last parameters).
     `load_target` takes it from the checkpoint's own weights before casting them to the
-    run's dtype and stores it on the model: a checkpoint has one fingerprint in every dtype.
+    run's dtype and keeps it as `Target.fingerprint`: a checkpoint has one fingerprint in every
+    dtype. (For a model `load_target` loaded, this still returns that fingerprint, until
+    calibrate.py and cli/options.py read `Target.fingerprint`.)
     """
     cached = getattr(model, "_dresd_fingerprint", None)
     if cached is not None:

@@ -40,7 +40,8 @@ class ModelError(DresdError):
 
 @dataclass
 class Target:
-    """A loaded target model with its tokenizer and the name it was asked for."""
+    """A loaded target model with its tokenizer, the name it was asked for and what dresd
+    keeps about it."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -48,6 +49,15 @@ class Target:
     # what runs its linear layers: "C kernel" (cpu_linear.py), "oneDNN packed" (fastpath.py)
     # or "plain" (transformers' own); the verify-cost curve depends on it
     linears: str = "plain"
+    # what binds a datastore, saved outputs and a cached cost curve to this checkpoint
+    # (`fingerprint.model_fingerprint`): `load_target` takes it from the checkpoint's weights
+    # before casting them, so that it is the same in every dtype; "": from the weights as they
+    # are
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            self.fingerprint = model_fingerprint(self.model)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,7 +167,7 @@ def load_target(
     linear layers' weights out once for a faster forward: for dresd's own bf16 kernel
     (`cpu_linear.invariant_linears`) where the CPU has AVX-512 bf16, else for oneDNN
     (`fastpath.prepack_linears`).
-    The datastore fingerprint is taken from the checkpoint's own weights before the cast, so
+    The target's fingerprint is taken from the checkpoint's own weights before the cast, so
     that a datastore serves the same checkpoint in any dtype.
     """
     device = resolve_device(device)
@@ -178,7 +188,10 @@ def load_target(
             "or `default` for SmolLM2-135M-Instruct."
         ) from err
     model.eval()
-    model._dresd_fingerprint = model_fingerprint(model)
+    fingerprint = model_fingerprint(model)  # the checkpoint's, before the cast
+    # Only for calibrate.py and cli/options.py, which still fingerprint `target.model`: drop it
+    # once they read `target.fingerprint`.
+    model._dresd_fingerprint = fingerprint
     model.to(device=device, dtype=dtype)
     # Batch invariance needs both: row-invariant linears and attention. Both are CPU-only: on a
     # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes
@@ -191,4 +204,5 @@ def load_target(
         linears = "oneDNN packed"
     if linears != "plain":
         use_invariant_attention(model)
-    return Target(model=model, tokenizer=tokenizer, name=name, linears=linears)
+    return Target(model=model, tokenizer=tokenizer, name=name, linears=linears,
+                  fingerprint=fingerprint)

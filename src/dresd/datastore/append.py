@@ -85,7 +85,7 @@ def append_to_datastore(target: Target, spec: CorpusSpec, folder: str | Path,
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    check_compatible(manifest, target.model, target.tokenizer, target.name)
+    check_compatible(manifest, target)
     parts = kinds(manifest)
     if "dense" in parts:
         _check_keys_can_grow(folder, manifest)

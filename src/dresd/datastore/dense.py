@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # Ray is optional, and imported only by a build that uses it
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.errors import UserError
 from dresd.fastpath import dtype_name
-from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
+from dresd.fingerprint import tokenizer_fingerprint
 from dresd.models import Target
 
 KIND = "dense"
@@ -199,7 +199,7 @@ def build_dense(target: Target, spec: CorpusSpec, out: str | Path,
     context = getattr(target.model.config, "max_position_embeddings", None)
     if context and spec.max_tokens > context:  # one forward never exceeds the model's context
         spec = replace(spec, max_tokens=context)
-    docs = tokenize_corpus(target.tokenizer, spec, model_fingerprint(target.model))
+    docs = tokenize_corpus(target.tokenizer, spec, target.fingerprint)
     total_keys = sum(d.num_keys for d in docs)
     if total_keys <= config.pca_dim:
         raise CorpusError(f"the corpus has {total_keys} key positions; a PCA to "
@@ -235,7 +235,7 @@ class _DenseBuild:
         tokenizer = target.tokenizer
         self.pad_id = pad_token_id(tokenizer)
         self.plan = {"kind": self.kind, "model": target.name,
-                     "model_fingerprint": model_fingerprint(self.model),
+                     "model_fingerprint": target.fingerprint,
                      "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                      "corpus": corpus_fingerprint(spec),
                      "corpus_spec": {k: v for k, v in asdict(spec).items() if k != "sources"},
@@ -430,7 +430,7 @@ class DenseDatastore:
         self.value_len = int(self.settings["value_len"])
 
     def check_compatible(self, target: Target) -> None:
-        check_compatible(self.manifest, target.model, target.tokenizer, target.name)
+        check_compatible(self.manifest, target)
 
     def search(self, state: np.ndarray, k: int) -> np.ndarray:
         """Entry ids of the k nearest keys to hidden state `state` [d], best first."""

@@ -46,8 +46,9 @@ import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.errors import DresdError
-from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
+from dresd.fingerprint import tokenizer_fingerprint
 from dresd.host import file_sha256
+from dresd.models import Target
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -67,7 +68,7 @@ class Manifest:
 
     kind: str  # "dense" (DReSD) or "sparse" (REST)
     model: str  # the model name the build was given
-    model_fingerprint: str  # `model_fingerprint(model)`
+    model_fingerprint: str  # `Target.fingerprint` of the model that built it
     tokenizer_fingerprint: str  # `tokenizer_fingerprint(tokenizer)`
     vocab_size: int
     num_entries: int  # keys (dense) / indexed positions (sparse)
@@ -134,18 +135,16 @@ def read_manifest(folder: str | Path) -> Manifest:
     return manifest
 
 
-def check_compatible(manifest: Manifest, model: torch.nn.Module,
-                     tokenizer: PreTrainedTokenizerBase, model_name: str = "") -> None:
+def check_compatible(manifest: Manifest, target: Target) -> None:
     """Refuse a datastore built by another model or tokenizer, naming both."""
-    here = model_name or getattr(model.config, "_name_or_path", "") or "the target"
-    check_tokenizer_compatible(manifest, tokenizer, here)
-    model_hash = model_fingerprint(model)
-    if model_hash != manifest.model_fingerprint:
+    here = target.name or getattr(target.model.config, "_name_or_path", "") or "the target"
+    check_tokenizer_compatible(manifest, target.tokenizer, here)
+    if target.fingerprint != manifest.model_fingerprint:
         raise DatastoreError(
             f"this datastore was built with model {manifest.model!r} "
             f"(fingerprint {manifest.model_fingerprint[:12]}), but the target is {here!r} "
-            f"(fingerprint {model_hash[:12]}): its hidden states and outputs are not the ones "
-            "stored. "
+            f"(fingerprint {target.fingerprint[:12]}): its hidden states and outputs are not the "
+            "ones stored. "
             "Build a datastore with this model."
         )
 

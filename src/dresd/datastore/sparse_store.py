@@ -32,7 +32,7 @@ from dresd.datastore.format import (
     open_manifest,
 )
 from dresd.datastore.sparse import FILES, SparseIndex, build_sparse
-from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
+from dresd.fingerprint import tokenizer_fingerprint
 from dresd.models import Target
 
 KIND = "sparse"
@@ -69,8 +69,8 @@ def build_sparse_datastore(target: Target, spec: CorpusSpec, out: str | Path,
     the same plan resumes there by building the suffix array again.
     """
     model, tokenizer = target.model, target.tokenizer
-    docs = tokenize_corpus(tokenizer, spec, model_fingerprint(model))
-    fingerprints = {"model": target.name, "model_fingerprint": model_fingerprint(model),
+    docs = tokenize_corpus(tokenizer, spec, target.fingerprint)
+    fingerprints = {"model": target.name, "model_fingerprint": target.fingerprint,
                     "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
     spec_fields = {k: v for k, v in asdict(spec).items() if k != "sources"}
     plan = {"kind": KIND, **fingerprints, "corpus": corpus_fingerprint(spec),
@@ -123,4 +123,4 @@ def check_sparse_target(manifest: Manifest | None, target: Target, folder: str |
     if manifest is None:
         raise DatastoreError(f"{folder} holds a suffix array without a manifest, so nothing says "
                              "which tokenizer made it; build it with `dresd build --kind sparse`")
-    check_compatible(manifest, target.model, target.tokenizer, target.name)
+    check_compatible(manifest, target)
