@@ -39,7 +39,6 @@ from dresd.decoding.forward import Forward, Segment, make_forward
 from dresd.decoding.tree import DraftTree
 from dresd.device import clock, device_name
 from dresd.fastpath import dtype_name
-from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir
 from dresd.models import Target
 
@@ -141,7 +140,7 @@ def curve_path(target: Target) -> Path:
     if device == "cuda":
         device += "-" + re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(target.device))
     linears = re.sub(r"[^A-Za-z0-9]+", "-", target.linears)
-    name = (f"{model_fingerprint(target.model)[:16]}-{dtype_name(target.dtype)}-{linears}-"
+    name = (f"{target.fingerprint[:16]}-{dtype_name(target.dtype)}-{linears}-"
             f"{torch.get_num_threads()}threads-{device}.json")
     return cache_dir() / "calibration" / name
 

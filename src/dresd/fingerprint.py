@@ -44,12 +44,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     any two distinct checkpoints in practice (first embedding rows, the last parameters).
     `load_target` takes it from the checkpoint's own weights before casting them to the
     run's dtype and keeps it as `Target.fingerprint`: a checkpoint has one fingerprint in every
-    dtype. (For a model `load_target` loaded, this still returns that fingerprint, until
-    calibrate.py and cli/options.py read `Target.fingerprint`.)
+    dtype.
     """
-    cached = getattr(model, "_dresd_fingerprint", None)
-    if cached is not None:
-        return cached
     digest = hashlib.sha256()
     config = model.config
     shape = {key: getattr(config, key, None) for key in

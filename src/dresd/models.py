@@ -189,9 +189,6 @@ def load_target(
         ) from err
     model.eval()
     fingerprint = model_fingerprint(model)  # the checkpoint's, before the cast
-    # Only for calibrate.py and cli/options.py, which still fingerprint `target.model`: drop it
-    # once they read `target.fingerprint`.
-    model._dresd_fingerprint = fingerprint
     model.to(device=device, dtype=dtype)
     # Batch invariance needs both: row-invariant linears and attention. Both are CPU-only: on a
     # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes

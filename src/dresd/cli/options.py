@@ -24,7 +24,7 @@ from dresd.decoding import SamplingConfig
 from dresd.device import DEVICE_HELP, device_name
 from dresd.errors import UserError
 from dresd.fastpath import DTYPES, dtype_name
-from dresd.fingerprint import model_fingerprint, tokenizer_fingerprint
+from dresd.fingerprint import tokenizer_fingerprint
 from dresd.host import native_bf16_flags
 from dresd.models import DEFAULT_MODEL, Target, load_target
 from dresd.raypool import RayPool
@@ -223,7 +223,7 @@ def drafter_options(args: argparse.Namespace, target: Target, methods: list[str]
 
 def output_origin(target: Target) -> dict:
     """Who makes the outputs: saved with them, checked when they are built into a store."""
-    return {"model": target.name, "model_fingerprint": model_fingerprint(target.model),
+    return {"model": target.name, "model_fingerprint": target.fingerprint,
             "tokenizer_fingerprint": tokenizer_fingerprint(target.tokenizer)}
 
 
