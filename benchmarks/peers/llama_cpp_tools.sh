@@ -1,12 +1,10 @@
 # Sourced by the llama.cpp peer scripts (llama_cpp.sh, llama_lookup.sh, servers.sh), from the
 # repository root: where llama.cpp's sources, its builds and the default model's bf16 GGUF live
-# ($PEERS, default ~/.cache/dresd/peers, outside the repository), and how each is made once.
-PEERS=${PEERS:-$HOME/.cache/dresd/peers}
+# (in $PEERS, common.sh's), and how each is made once.
+source benchmarks/peers/common.sh
 LLAMA_CPP_VERSION=0.3.36  # llama-cpp-python's source archive, llama.cpp's sources vendored
 SRC=$PEERS/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
-MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
 GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
-mkdir -p "$PEERS"
 
 # build_llama_tool FOLDER TARGET [CMAKE_OPTION...]: llama.cpp's TARGET built in FOLDER unless it
 # is there (the tools only: the Python bindings segfault on first eval with this version).
@@ -29,7 +27,6 @@ build_llama_tool() {
 # converter, unless it is there.
 convert_gguf() {
   [ -f "$GGUF" ] && return
-  [ -x .venv/bin/dresd ] && [ -d "$MODEL_DIR" ] || make model
   .venv/bin/pip install --quiet sentencepiece
   .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
     > "$PEERS/convert.log" 2>&1

@@ -24,9 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from dresd.datasets import load_prompts
 from dresd.host import cpu_flags, cpu_model
-from dresd.models import load_target
+from dresd.models import resolve_model_path
 from dresd.prompts import encode_prompt
 
 TIMES = re.compile(r"(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
@@ -78,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="raw figures, JSON lines")
     args = parser.parse_args()
 
-    tokenizer = load_target("default").tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))  # not the model
     texts = [tokenizer.decode(encode_prompt(tokenizer, prompt.text))
              for prompt in load_prompts("gsm8k", args.prompts)]
     rows = []

@@ -12,12 +12,10 @@ cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-lookup-build
 OUT=${OUT:-benchmarks/results/peers}
-STORE=()
-[ -f runs/demo-gsm8k-store/manifest.json ] && STORE=(--datastore runs/demo-gsm8k-store)
 build_llama_tool "$BUILD" llama-lookup -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF
 convert_gguf
 
 PYTHONPATH=src .venv/bin/python benchmarks/peers/llama_lookup.py --lookup "$BUILD/bin/llama-lookup" \
   --gguf "$GGUF" --threads "${THREADS:-2}" --prompts "${PROMPTS:-6}" --tokens "${TOKENS:-128}" \
-  --rounds "${ROUNDS:-2}" "${STORE[@]}" --out "$OUT/llama_lookup.jsonl" > "$OUT/llama_lookup.md"
+  --rounds "${ROUNDS:-2}" "${STORE_ARGS[@]}" --out "$OUT/llama_lookup.jsonl" > "$OUT/llama_lookup.md"
 cat "$OUT/llama_lookup.md"

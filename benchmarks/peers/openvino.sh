@@ -35,11 +35,10 @@
 # bench folders and logs in runs/peers/openvino/. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PEERS=${PEERS:-$HOME/.cache/dresd/peers}
+source benchmarks/peers/common.sh
 OV_VENV=${OV_VENV:-$PEERS/openvino-venv}
 OV_GENAI=${OV_GENAI:-2026.4.1.0}
 OPTIMUM_INTEL=${OPTIMUM_INTEL:-2.2.0}
-MODEL_DIR=${DRESD_CACHE:-$HOME/.cache/dresd}/models/SmolLM2-135M-Instruct
 IR=$PEERS/SmolLM2-135M-Instruct-ov-fp16
 THREADS=${THREADS:-2}
 PROMPTS=${PROMPTS:-6}
@@ -52,16 +51,7 @@ METHODS=ar,pld,suffix,hybrid
 WORK=runs/peers/openvino
 RAW=$WORK/raw.jsonl
 LOG=$WORK/run.log
-mkdir -p "$PEERS" "$WORK" benchmarks/results/peers
-
-if [ -z "${DATASTORE+x}" ]; then
-  DATASTORE=none
-  [ -f runs/demo-gsm8k-store/manifest.json ] && DATASTORE=runs/demo-gsm8k-store
-fi
-STORE_ARGS=()
-[ "$DATASTORE" != none ] && STORE_ARGS=(--datastore "$DATASTORE")
-
-[ -x .venv/bin/dresd ] && [ -d "$MODEL_DIR" ] || make model
+mkdir -p "$WORK" benchmarks/results/peers
 
 installed="import openvino_genai, importlib.util as u; assert u.find_spec('optimum.intel')"
 if ! "$OV_VENV/bin/python" -c "$installed" 2> /dev/null; then

@@ -39,16 +39,7 @@ TOKENS=${TOKENS:-64}
 ROUNDS=${ROUNDS:-2}
 REPEATS=${REPEATS:-2}
 WORK=runs/peers/servers
-mkdir -p "$PEERS" "$WORK" benchmarks/results/peers
-
-if [ -z "${DATASTORE+x}" ]; then
-  DATASTORE=none
-  [ -f runs/demo-gsm8k-store/manifest.json ] && DATASTORE=runs/demo-gsm8k-store
-fi
-STORE_ARGS=()
-[ "$DATASTORE" != none ] && STORE_ARGS=(--datastore "$DATASTORE")
-
-[ -x .venv/bin/dresd ] && [ -d "$MODEL_DIR" ] || make model
+mkdir -p "$WORK" benchmarks/results/peers
 build_llama_tool "$BUILD" llama-server -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 convert_gguf
 
