@@ -85,9 +85,11 @@ def test_c_decoder_computes_the_pytorch_forward(config_class):
         assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
 
 
-def test_rows_do_not_depend_on_the_batch(tiny):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_the_batch(tiny, threads):
     """Each segment's logits in a forward shared with others, a prompt chunk longer than the C
-    attention takes among them, equal, bit for bit, its logits alone."""
+    attention takes among them, at 1 or 2 threads, equal, bit for bit, its logits alone on
+    one thread."""
     forward = LlamaForward(tiny)
     histories = prompts(5, seed=2, low=5, high=60)
     long_prompt = prompts(1, seed=3, low=INVARIANT_MAX_ROWS + 20,
@@ -111,7 +113,11 @@ def test_rows_do_not_depend_on_the_batch(tiny):
             sequences.append(sequence)
         return [*sequences, forward.new_sequence()]
 
-    together = forward(segments(fresh()))
+    torch.set_num_threads(threads)  # the row loops and linears share rows between threads
+    try:
+        together = forward(segments(fresh()))
+    finally:
+        torch.set_num_threads(1)
     for index, segment in enumerate(segments(fresh())):
         alone = forward([segment])[0]
         assert torch.equal(alone.logits, together[index].logits)

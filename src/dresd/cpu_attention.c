@@ -7,8 +7,10 @@
  * see, in their order; not on how many rows came with it, nor on masked keys between them. So a
  * node of a draft tree gets, bit for bit, what a one-token decode step gives the same token.
  * How each sum keeps that promise, in float32, without any probabilistic argument:
- *   - q . k: the 64 (dim) products summed in a fixed order, d = 0, 1, 2, ...; the vector lanes
- *     run over keys, so a key's score never depends on its lane or on the key count.
+ *   - q . k: the products summed in a fixed order, the vector lanes running over keys, so a
+ *     key's score never depends on its lane or on the key count. With AVX-512 bf16: one
+ *     vdpbf16ps per pair of dims (2p, 2p + 1), p = 0, 1, 2, ... (the products exact in float32,
+ *     as cpu_linear.c sums); otherwise one float32 multiply-add per dim, d = 0, 1, 2, ...
  *   - max: exact in any order.
  *   - exp: one polynomial, the same instructions in every lane (no scalar tail: the key count
  *     is padded to a whole number of blocks).
@@ -83,26 +85,60 @@ static inline void store(float *to, vec value) { memcpy(to, &value, sizeof value
 #define ROWS 4 /* query rows of one kv head computed together: they share the key loads, and
                   their independent sums keep the multiply-add units busy */
 
-/* Scores of ROWS query rows against a kv head's keys (keys_t: dim x padded, transposed),
- * BLOCK keys at a time; each key's dot product summed in the order d = 0, 1, 2, ... */
-static void score_rows(const float *const query[ROWS], const float *keys_t, int padded, int dim,
-                       float *const scores[ROWS]) {
+#ifdef __AVX512BF16__
+/* Scores of n (<= ROWS) bf16 query rows against a kv head's keys, BLOCK keys at a time.
+ * keys_w: dim / 2 x padded 32-bit words, word [p][j] holding k[j][2p] (low half) and
+ * k[j][2p + 1] (high half). Each key's score is one lane: acc = vdpbf16ps(acc; q[2p], q[2p + 1];
+ * k[j][2p], k[j][2p + 1]) for p = 0, 1, ..., in increasing p (the two products are exact in
+ * float32; the lane adds them to acc as the hardware defines, DAZ/FTZ). */
+static inline __attribute__((always_inline)) void score_rows(
+        const int n, const void *const query[ROWS], const void *keys_w, int padded, int dim,
+        float *const scores[ROWS]) {
+    const int32_t *words = keys_w;
+    for (int block = 0; block < padded; block += BLOCK) {
+        __m512 acc[ROWS][4];
+        for (int i = 0; i < n; i++)
+            for (int part = 0; part < 4; part++) acc[i][part] = _mm512_setzero_ps();
+        for (int p = 0; p < dim / 2; p++) {
+            const int32_t *row = words + (int64_t)p * padded + block;
+            __m512bh keys[4];
+            for (int part = 0; part < 4; part++)
+                keys[part] = (__m512bh)_mm512_loadu_si512(row + part * LANES);
+            for (int i = 0; i < n; i++) {
+                __m512bh pair = (__m512bh)_mm512_set1_epi32(((const int32_t *)query[i])[p]);
+                for (int part = 0; part < 4; part++)
+                    acc[i][part] = _mm512_dpbf16_ps(acc[i][part], pair, keys[part]);
+            }
+        }
+        for (int i = 0; i < n; i++)
+            for (int part = 0; part < 4; part++)
+                _mm512_storeu_ps(scores[i] + block + part * LANES, acc[i][part]);
+    }
+}
+#else
+/* Scores of n (<= ROWS) float query rows against a kv head's keys (keys_t: dim x padded
+ * floats, transposed), BLOCK keys at a time; each key's dot product summed in the order
+ * d = 0, 1, 2, ... */
+static inline __attribute__((always_inline)) void score_rows(
+        const int n, const void *const query[ROWS], const void *keys_t, int padded, int dim,
+        float *const scores[ROWS]) {
     for (int block = 0; block < padded; block += BLOCK) {
         vec acc[ROWS][4] = {{{0}}};
         for (int d = 0; d < dim; d++) {
-            const float *row = keys_t + (int64_t)d * padded + block;
+            const float *row = (const float *)keys_t + (int64_t)d * padded + block;
             vec keys[4] = {load(row), load(row + LANES), load(row + 2 * LANES),
                            load(row + 3 * LANES)};
-            for (int i = 0; i < ROWS; i++) {
-                vec q = splat(query[i][d]);
+            for (int i = 0; i < n; i++) {
+                vec q = splat(((const float *)query[i])[d]);
                 for (int part = 0; part < 4; part++) acc[i][part] += q * keys[part];
             }
         }
-        for (int i = 0; i < ROWS; i++)
+        for (int i = 0; i < n; i++)
             for (int part = 0; part < 4; part++)
                 store(scores[i] + block + part * LANES, acc[i][part]);
     }
 }
+#endif
 
 /* Turns one row's scores into weights exp(s * scale + mask - max), in place. Masked keys (an
  * additive mask below -1e30, at or past visible_until, or padding) get exactly 0. Returns 0,
@@ -138,11 +174,12 @@ static inline vec load_bf16(const uint16_t *from) {
     return (vec)(__builtin_convertvector(bits, ivec) << 16);
 }
 
-/* out[i] = sum_j weights[i][j] values[j] / sum_j weights[i][j] for ROWS rows, key by key in the
+/* out[i] = sum_j weights[i][j] values[j] / sum_j weights[i][j] for n rows, key by key in the
  * keys' order (the lanes run over the head dimension, BLOCK dimensions at a time); as bf16.
  * values: length x dim bf16, read as floats (exact) where they are used. */
-static void weigh_values(const float *const weights[ROWS], const uint16_t *values, int length,
-                         int dim, uint16_t *const out[ROWS]) {
+static inline __attribute__((always_inline)) void weigh_values(
+        const int n, const float *const weights[ROWS], const uint16_t *values, int length,
+        int dim, uint16_t *const out[ROWS]) {
     for (int chunk = 0; chunk < dim; chunk += BLOCK) {
         vec acc[ROWS][4] = {{{0}}};
         float total[ROWS] = {0};
@@ -150,13 +187,13 @@ static void weigh_values(const float *const weights[ROWS], const uint16_t *value
             const uint16_t *row = values + (int64_t)j * dim + chunk;
             vec value[4] = {load_bf16(row), load_bf16(row + LANES), load_bf16(row + 2 * LANES),
                             load_bf16(row + 3 * LANES)};
-            for (int i = 0; i < ROWS; i++) {
+            for (int i = 0; i < n; i++) {
                 float weight = weights[i][j];
                 total[i] += weight;
                 for (int part = 0; part < 4; part++) acc[i][part] += splat(weight) * value[part];
             }
         }
-        for (int i = 0; i < ROWS; i++)
+        for (int i = 0; i < n; i++)
             if (out[i])
                 for (int part = 0; part < 4; part++)
                     for (int lane = 0; lane < LANES; lane++)
@@ -165,11 +202,11 @@ static void weigh_values(const float *const weights[ROWS], const uint16_t *value
     }
 }
 
-/* keys_t[d][j] = float(k[j][d]) for j < length, 0 up to padded: the keys transposed so that
- * score_rows' lanes run over keys. Exact data movement (bf16 -> float32 is exact), so how it is
- * done changes no result. With AVX-512, 16 keys at a time: their rows as 16 x (dim / 2) 32-bit
- * words (word p of key j holds dims 2p, low half, and 2p + 1, high half), transposed in
- * registers 16 words at a time, each word then split into its two floats. */
+/* The keys transposed so that score_rows' lanes run over keys, zero from length up to padded.
+ * With AVX-512 bf16: keys_w[p][j], the 32-bit word of key j holding its dims 2p (low half) and
+ * 2p + 1 (high half), the bf16 bits as they are. Otherwise keys_t[d][j] = float(k[j][d]).
+ * Exact data movement either way, so how it is done changes no result. With AVX-512, 16 keys
+ * at a time: their rows as 16 x (dim / 2) words, transposed in registers 16 words at a time. */
 #ifdef __AVX512F__
 /* rows[i] <- column i of the 16 x 16 matrix of 32-bit words whose row i was rows[i]. */
 static inline void transpose_words(__m512i rows[16]) {
@@ -197,9 +234,8 @@ static inline void transpose_words(__m512i rows[16]) {
 }
 #endif
 
-static void transpose_keys(const uint16_t *k, int length, int padded, int dim, float *keys_t) {
+static void transpose_keys(const uint16_t *k, int length, int padded, int dim, void *keys_t) {
 #ifdef __AVX512F__
-    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int j = 0; j < padded; j += LANES) {
         for (int word = 0; word < dim / 2; word += 16) {
             __m512i rows[16];
@@ -209,16 +245,20 @@ static void transpose_keys(const uint16_t *k, int length, int padded, int dim, f
                     : _mm512_setzero_si512();
             transpose_words(rows);
             for (int i = 0; i < 16; i++) {
-                int d = 2 * (word + i);
-                _mm512_storeu_si512(keys_t + (size_t)d * padded + j, _mm512_slli_epi32(rows[i], 16));
-                _mm512_storeu_si512(keys_t + (size_t)(d + 1) * padded + j,
-                                    _mm512_and_si512(rows[i], high_half));
+#ifdef __AVX512BF16__
+                _mm512_storeu_si512((int32_t *)keys_t + (size_t)(word + i) * padded + j, rows[i]);
+#else
+                float *to = (float *)keys_t + (size_t)2 * (word + i) * padded + j;
+                _mm512_storeu_si512(to, _mm512_slli_epi32(rows[i], 16));
+                _mm512_storeu_si512(to + padded, _mm512_and_si512(
+                    rows[i], _mm512_set1_epi32((int)0xffff0000u)));
+#endif
             }
         }
     }
 #else
     for (int d = 0; d < dim; d++) {
-        float *row = keys_t + (size_t)d * padded;
+        float *row = (float *)keys_t + (size_t)d * padded;
         for (int j = 0; j < length; j++) row[j] = bf16_to_float(k[(int64_t)j * dim + d]);
         for (int j = length; j < padded; j++) row[j] = 0.0f;
     }
@@ -234,6 +274,45 @@ static size_t scratch_floats(int length, int dim) {
 /* One kv head g of one sequence: every query row of the heads that read it. Query row
  * (head h, row r) at query + h * query_head_stride + r * query_row_stride; its output at
  * out + r * out_row_stride + h * dim. Where these rows live changes no arithmetic. */
+/* Rows [first, first + n) of one kv head's query rows (see attend_kv_head): scores, weights,
+ * weighted values. n is a constant where it is inlined, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const int n, int first, const uint16_t *query, int64_t query_head_stride,
+        int64_t query_row_stride, const void *keys_t, const uint16_t *v, const uint16_t *mask,
+        int64_t mask_stride, int g, int groups, int rows, int length, int padded, int dim,
+        float scale, uint16_t *out, int64_t out_row_stride, float *const scores[ROWS],
+        float *const query_f[ROWS]) {
+    const void *queries[ROWS];
+    uint16_t *outs[ROWS];
+    for (int i = 0; i < n; i++) {
+        int h = g * groups + (first + i) / rows, r = (first + i) % rows;
+        const uint16_t *q = query + h * query_head_stride + r * query_row_stride;
+#ifdef __AVX512BF16__
+        queries[i] = q; /* read as pairs of bf16 */
+#else
+        for (int d = 0; d < dim; d++) query_f[i][d] = bf16_to_float(q[d]);
+        queries[i] = query_f[i];
+#endif
+        outs[i] = out + r * out_row_stride + (int64_t)h * dim;
+    }
+    score_rows(n, queries, keys_t, padded, dim, scores);
+    for (int i = 0; i < n; i++) {
+        int r = (first + i) % rows;
+        const uint16_t *row_mask = mask ? mask + (int64_t)r * mask_stride : NULL;
+        int visible_until = mask ? length : length - rows + r + 1;
+        if (weigh_row(scores[i], row_mask, length, padded, visible_until, scale) != 0) {
+            memset(outs[i], 0, (size_t)dim * sizeof(uint16_t)); /* sees no key */
+            outs[i] = NULL;
+            memset(scores[i], 0, (size_t)padded * sizeof(float));
+        }
+    }
+    weigh_values(n, (const float *const *)scores, v, length, dim, outs);
+}
+
+/* One kv head g of one sequence: every query row of the heads that read it. Query row
+ * (head h, row r) at query + h * query_head_stride + r * query_row_stride; its output at
+ * out + r * out_row_stride + h * dim. Where these rows live, and how many are computed
+ * together, changes no arithmetic. */
 static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
                            int64_t query_row_stride, const uint16_t *k, const uint16_t *v,
                            const uint16_t *mask, int64_t mask_stride, int g, int groups,
@@ -247,33 +326,19 @@ static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
         query_f[i] = scores[0] + (size_t)ROWS * padded + (size_t)i * dim;
     }
     transpose_keys(k, length, padded, dim, keys_t);
-    /* The kv head's query rows (head h, row r), ROWS at a time; a short last block is
-     * filled with zero queries whose results are dropped. */
-    int count = groups * rows;
-    for (int first = 0; first < count; first += ROWS) {
-        uint16_t *outs[ROWS] = {NULL};
-        for (int i = 0; i < ROWS; i++) {
-            memset(query_f[i], 0, (size_t)dim * sizeof(float));
-            if (first + i >= count) continue;
-            int h = g * groups + (first + i) / rows, r = (first + i) % rows;
-            const uint16_t *q = query + h * query_head_stride + r * query_row_stride;
-            for (int d = 0; d < dim; d++) query_f[i][d] = bf16_to_float(q[d]);
-            outs[i] = out + r * out_row_stride + (int64_t)h * dim;
-        }
-        score_rows((const float *const *)query_f, keys_t, padded, dim, scores);
-        for (int i = 0; i < ROWS; i++) {
-            int r = (first + i) % rows;
-            const uint16_t *row_mask = mask ? mask + (int64_t)r * mask_stride : NULL;
-            int visible_until = mask ? length : length - rows + r + 1;
-            if (outs[i] && weigh_row(scores[i], row_mask, length, padded, visible_until,
-                                     scale) != 0) {
-                memset(outs[i], 0, (size_t)dim * sizeof(uint16_t)); /* sees no key */
-                outs[i] = NULL;
-            }
-            if (!outs[i]) memset(scores[i], 0, (size_t)padded * sizeof(float));
-        }
-        weigh_values((const float *const *)scores, v, length, dim, outs);
+    /* The kv head's query rows (head h, row r), ROWS at a time, then the rest together. */
+    int count = groups * rows, first = 0;
+#define ATTEND(n) attend_rows(n, first, query, query_head_stride, query_row_stride, keys_t, v, \
+                              mask, mask_stride, g, groups, rows, length, padded, dim, scale, \
+                              out, out_row_stride, scores, query_f)
+    for (; first + ROWS <= count; first += ROWS) ATTEND(ROWS);
+    switch (count - first) {
+        case 3: ATTEND(3); break;
+        case 2: ATTEND(2); break;
+        case 1: ATTEND(1); break;
+        default: break;
     }
+#undef ATTEND
 }
 
 /* query: heads x rows x dim; keys, values: kv_heads x length x dim (head stride given, rows

@@ -129,6 +129,11 @@ static void add_residual(uint16_t *hidden, const uint16_t *delta, int n) {
 
 static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m->head_dim; }
 
+/* Whether the element-wise row loops below share their rows between threads: each row is
+ * computed alone, so this changes no bit; under ~8 rows the fork and join would cost more
+ * than the loop. */
+#define ROWS_IN_PARALLEL(rows, threads) ((threads) > 1 && (rows) >= 8)
+
 /* y = x W^T (+ bias) for contiguous rows: x rows x k, y rows x n (cpu_linear.c). */
 static void project(const uint16_t *x, int rows, int k, const uint16_t *packed,
                     const float *bias, int n, uint16_t *y, int threads) {
@@ -144,10 +149,12 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
     int d = m->hidden, dim = m->head_dim, width = qkv_width(m);
     uint16_t *normed = malloc((size_t)rows * d * sizeof(uint16_t));
     if (!normed) return -1;
+#pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         rms_norm(hidden + (int64_t)r * d, m->input_norm[layer], d, m->eps, normed + (int64_t)r * d);
     project(normed, rows, d, m->qkv[layer], m->qkv_bias[layer], width, qkv, threads);
     free(normed);
+#pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < m->heads + m->kv_heads; h++) /* q heads, then k heads */
             rotate(qkv + (int64_t)r * width + h * dim, cos + (int64_t)r * dim,
@@ -179,15 +186,18 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
     uint16_t *projected = scratch, *normed = projected + (size_t)rows * d;
     uint16_t *gate_up = normed + (size_t)rows * d, *act = gate_up + (size_t)rows * 2 * inter;
     project(mixed, rows, m->heads * m->head_dim, m->o[layer], NULL, d, projected, threads);
+#pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++) {
         add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
         rms_norm(hidden + (int64_t)r * d, m->post_norm[layer], d, m->eps, normed + (int64_t)r * d);
     }
     project(normed, rows, d, m->gate_up[layer], NULL, 2 * inter, gate_up, threads);
+#pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         silu_times(gate_up + (int64_t)r * 2 * inter, gate_up + (int64_t)r * 2 * inter + inter,
                    inter, act + (int64_t)r * inter);
     project(act, rows, inter, m->down[layer], NULL, d, projected, threads);
+#pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
     free(scratch);

@@ -19,7 +19,7 @@
  * outputs n are independent of each other, so how the work is tiled (rows sharing a weight
  * load, panels of outputs per thread) changes which lanes and registers compute at the same
  * time, never the instructions applied to one output. Threads split the outputs (panels of
- * 64) and, for many rows, the rows; never k.
+ * 64) and the rows (tiles of MAX_TILE); never k.
  *
  * The weight layout (packed once by cpu_linear.py, so that a panel streams contiguously):
  *   packed[panel][p][part][lane][2] = W[panel * 64 + part * 16 + lane][2p + (0, 1)]
@@ -37,7 +37,7 @@
 #ifndef PREFETCH
 #define PREFETCH 16             /* pairs of k ahead (16: 4 KB) that each step prefetches */
 #endif
-#define ROW_GROUP 48            /* rows per work item when many rows: a panel stays in L2 */
+#define ROW_GROUP MAX_TILE       /* rows per work item: fine items keep two threads even */
 
 /* bf16(value) for 16 floats, to nearest, ties to even; NaN stays a quiet NaN. */
 static inline __m256i round_to_bf16(__m512 value) {
@@ -120,7 +120,9 @@ void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t 
     int items = panels * groups;
     if (threads > items) threads = items; /* an idle thread would only add to the join */
     /* Work item = (panel, row group), panel-major: a thread's items are consecutive row groups
-     * of one panel, so the panel's weights stay in cache across all its rows' tiles. */
+     * of one panel, so the panel's weights stay in cache across all its rows' tiles. Items of
+     * one tile each: a 9-panel layer (576 outputs) at 16 rows is 27 items, split 14/13 between
+     * two threads, where whole panels split 5/4. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int item = 0; item < items; item++) {
         int panel = item / groups, group = item % groups;
