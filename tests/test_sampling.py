@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 from dresd.decoding import SamplingConfig, speculative_generate
-from dresd.decoding.sampling import next_token_probs, process_logits
+from dresd.decoding.sampling import greedy_tokens, next_token_probs, process_logits, top_two
 
 VOCAB = 8
 PROMPT = [1, 2, 3]
@@ -133,3 +133,22 @@ def test_processing_matches_transformers(config):
 def test_invalid_sampling_values_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 2047, 2048, 2049, 5000, 49152])
+def test_greedy_tokens_and_top_two_are_torchs(vocab):
+    """The two-pass argmax and top two give torch.argmax's indices (first of equal maxima, a
+    NaN the largest) and torch.topk's values, on random rows, rows of many ties, and rows with
+    a NaN, whatever the vocabulary's remainder past whole blocks."""
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        rows = 1 + trial
+        logits = torch.randn(rows, vocab, generator=generator)
+        if trial % 3 == 1:  # few distinct values: ties inside and across blocks
+            logits = torch.randint(0, 3, (rows, vocab), generator=generator).float()
+        if trial % 3 == 2:
+            logits[0, int(torch.randint(0, vocab, (1,), generator=generator))] = torch.nan
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        assert torch.equal(greedy_tokens(logits[-1]), logits[-1].argmax(-1))
+        if trial % 3 != 2 and vocab >= 2:
+            assert torch.equal(top_two(logits), logits.topk(2, dim=-1).values)

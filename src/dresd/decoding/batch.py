@@ -41,7 +41,13 @@ from dresd.decoding.budget import (
 )
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
-from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
+from dresd.decoding.sampling import (
+    SamplingConfig,
+    greedy_tokens,
+    next_token_probs,
+    sample,
+    top_two,
+)
 from dresd.decoding.stopping import StoppingRule
 from dresd.decoding.tree import DraftTree
 from dresd.decoding.verify import greedy_accept, sampling_accept
@@ -284,7 +290,7 @@ class BatchEngine:
     def _choose(self, state: Running, logits: torch.Tensor) -> int:
         sampling = state.request.sampling
         if sampling is None:
-            return int(logits.argmax())
+            return int(greedy_tokens(logits))
         return sample(next_token_probs(logits, sampling), state.generator)
 
     def _accept(self, state: Running, segment: Segment, output: SegmentOutput,
@@ -321,7 +327,7 @@ class BatchEngine:
     @staticmethod
     def _record_top2(state: Running, logits: torch.Tensor) -> None:
         if state.result.top2_logits is not None:
-            top2 = logits.float().topk(2, dim=-1).values.tolist()
+            top2 = top_two(logits.float()).tolist()
             state.result.top2_logits.extend((a, b) for a, b in top2)
 
     def _emit(self, state: Running, emitted: list[int]) -> bool:

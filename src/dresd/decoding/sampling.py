@@ -65,3 +65,56 @@ def next_token_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tens
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token from a 1-D distribution."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# Greedy decoding's argmax, and the two best logits the exactness check keeps. PyTorch's CPU
+# argmax and top-k walk a row scalar by scalar (~42 and ~115 us for a 49k vocabulary: 0.7 and
+# 1.8 ms for a 16-row step, all on one core); the maximum of each block of columns is
+# vectorised, so these take two passes: every block's maximum, then inside the best block.
+BLOCK = 512  # columns per block
+
+
+def _blocks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows [n, vocab], their whole blocks [n, blocks, BLOCK], the columns after them), or None
+    where the two passes would not pay (off the CPU, or fewer than 4 blocks)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    whole = rows.shape[-1] - rows.shape[-1] % BLOCK
+    if rows.device.type != "cpu" or whole < 4 * BLOCK:
+        return None
+    return rows, rows[:, :whole].unflatten(-1, (-1, BLOCK)), rows[:, whole:]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the same indices (the first of equal maxima; a NaN counts as the
+    largest, as torch.argmax has it): the best block's first maximum, unless a column after
+    the whole blocks is strictly larger."""
+    split = _blocks(logits)
+    if split is None:
+        return logits.argmax(-1)
+    rows, blocks, tail = split
+    best_block = blocks.amax(-1).argmax(-1)
+    inside = blocks[torch.arange(len(rows)), best_block]
+    best = inside.argmax(-1)
+    tokens = best_block * BLOCK + best
+    if tail.shape[-1]:
+        top = inside.gather(-1, best[:, None])[:, 0]
+        tail_best = tail.argmax(-1)
+        tail_top = tail.gather(-1, tail_best[:, None])[:, 0]
+        later = (tail_top > top) | (tail_top.isnan() & ~top.isnan())
+        tokens = torch.where(later, blocks.shape[1] * BLOCK + tail_best, tokens)
+    return tokens.view(logits.shape[:-1])
+
+
+def top_two(logits: torch.Tensor) -> torch.Tensor:
+    """logits.topk(2, dim=-1).values for rows without NaN: the best block's two largest, and
+    the next block's maximum, whichever two are largest (the tail's two with them)."""
+    split = _blocks(logits)
+    if split is None:
+        return logits.topk(2, dim=-1).values
+    rows, blocks, tail = split
+    two_blocks = blocks.amax(-1).topk(2, dim=-1)
+    inside = blocks[torch.arange(len(rows)), two_blocks.indices[:, 0]].topk(2, dim=-1).values
+    candidates = [inside, two_blocks.values[:, 1:]]
+    if tail.shape[-1]:
+        candidates.append(tail.topk(min(2, tail.shape[-1]), dim=-1).values)
+    return torch.cat(candidates, -1).topk(2, dim=-1).values.view(*logits.shape[:-1], 2)

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
+from dresd.decoding.sampling import SamplingConfig, greedy_tokens, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 
 NEAR_TIE_ULPS = 4  # top-2 gaps within this many ulps of the top logit are near-ties
@@ -73,7 +73,7 @@ def classify_divergence(
 
 def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
     """Return (accepted path of node indices starting at the root, bonus token)."""
-    predicted = logits.argmax(dim=-1).tolist()  # one argmax per node, in one call
+    predicted = greedy_tokens(logits).tolist()  # one argmax per node, in one call
     path = [0]
     while True:
         token = predicted[path[-1]]

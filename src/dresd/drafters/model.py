@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.decoding.sampling import greedy_tokens
 from dresd.errors import UserError
 
 
@@ -61,7 +62,7 @@ class DraftModelDrafter(DraftModelOptions, Drafter):
         draft: Draft = []
         for _ in range(draft_len):
             logits = self._forward(unseen)
-            unseen = [int(logits.argmax())]
+            unseen = [int(greedy_tokens(logits))]
             draft.append(unseen[0])
         return [draft]
 
