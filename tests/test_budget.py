@@ -12,6 +12,7 @@ from test_lossless_greedy import reference_greedy, varied_prompts
 
 from dresd.decoding.batch import Request
 from dresd.decoding.budget import (
+    MAX_BACKOFF,
     PROBE_EVERY,
     WARMUP_STEPS,
     AcceptanceEstimates,
@@ -136,7 +137,18 @@ def test_the_ledger_drafts_while_drafting_pays_and_probes_when_it_does_not():
         ledger.record_draft("slow", 0, 0.005)  # 5 ms of drafting for nothing accepted
         ledger.record_draft("fast", 2, 0.001)  # 2 tokens a step for 1 ms
     assert not ledger.worth_drafting("slow", 1, 1, cost)
+    assert not ledger.worth_drafting("slow", 0, 1, cost)  # a sequence's first step: no probe
     assert ledger.worth_drafting("slow", PROBE_EVERY, 1, cost)  # a probe step
+    # probes that keep saying no come ever further apart, up to every 8 * 2^MAX_BACKOFF steps
+    for misses in range(1, MAX_BACKOFF + 2):
+        interval = PROBE_EVERY << min(misses, MAX_BACKOFF)
+        assert not ledger.worth_drafting("slow", interval // 2 * 3, 1, cost)
+        assert ledger.worth_drafting("slow", interval * 5, 1, cost)
+    ledger.record_draft("slow", 6, 0.001)  # its drafts pay again: probing starts over
+    for _ in range(40):
+        ledger.record_draft("slow", 6, 0.001)
+    assert ledger.worth_drafting("slow", 1, 1, cost)
+    assert ledger.misses["slow"] == 0
     assert ledger.worth_drafting("fast", 1, 1, cost)
     # 32 sequences: the batch makes 32 / (4.1 * 20 ms) = 390 tokens/s without drafts, so
     # 2 tokens in 1 ms (2000/s) still pay, 2 tokens in 10 ms (200/s) no longer do

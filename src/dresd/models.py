@@ -8,6 +8,7 @@ folder and cache it under `$DRESD_CACHE` (default `~/.cache/dresd`), outside the
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -201,5 +202,16 @@ def load_target(
         linears = "oneDNN packed"
     if linears != "plain":
         use_invariant_attention(model)
+    settle_heap()
     return Target(model=model, tokenizer=tokenizer, name=name, linears=linears,
                   fingerprint=fingerprint)
+
+
+def settle_heap() -> None:
+    """Collect what is garbage now, then put every object alive out of the cyclic garbage
+    collector's reach (`gc.freeze`). Why: after loading, torch, transformers and the model hold
+    ~390k tracked objects, and each full collection walked them all, 180 ms during which every
+    stream of a batch waited (measured in `dresd bench --concurrency`: one 235 ms drafting step
+    in a 2.7 s run). They stay alive anyway; objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()

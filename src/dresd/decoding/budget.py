@@ -24,7 +24,12 @@ its draft rows added to the forward (cost(R) - cost(R - drafted rows), in second
 averages), B = sequences in the step, unit = seconds per cost unit (the measured
 forward seconds over cost(rows)). The right side is the batch's tokens per second without
 drafts; drafting pays when its tokens come faster than that. A method is always consulted for
-its first steps and every PROBE_EVERY-th step after, so its record stays current.
+its first steps, and where the rule says no, at probes that keep its record current: a
+sequence's step s is a probe when s > 0 and s is a multiple of PROBE_EVERY * 2^m, where m
+counts the method's probes in a row that still said no (at most MAX_BACKOFF). Probes cost what
+drafting costs, and a drafter that catches up on a context it has not read (suffix's trie of
+the prompt, ~10 ms for 100 tokens) costs more on its first. Under a load where drafts cannot
+pay, a few probes in a row say no, and the method's sequences then probe every 64th step.
 
 Sorting every candidate of the batch by reach and taking a prefix keeps each tree closed under
 parents (a child's reach never exceeds its parent's; ties go to the shallower node), so what
@@ -118,7 +123,8 @@ def restrict(tree: DraftTree, kept: set[int]) -> DraftTree:
 
 
 WARMUP_STEPS = 4  # a method drafts at its first steps in an engine, whatever its record
-PROBE_EVERY = 8  # and at every 8th step of a sequence, so that its record stays current
+PROBE_EVERY = 8  # and at probes, every 8th step of a sequence while drafting pays, ...
+MAX_BACKOFF = 3  # ... and up to every 64th (8 * 2^3) after probes in a row that did not
 AVERAGE_WEIGHT = 0.1  # weight of the newest step in the running averages
 
 
@@ -130,6 +136,7 @@ class DraftingLedger:
         self.gain: dict[str, float] = {}
         self.seconds: dict[str, float] = {}
         self.steps: dict[str, int] = defaultdict(int)
+        self.misses: dict[str, int] = defaultdict(int)  # probes in a row that said no
         self.unit_seconds: float | None = None
 
     @staticmethod
@@ -151,8 +158,13 @@ class DraftingLedger:
                        cost: Callable[[int], float]) -> bool:
         """Whether a sequence of `method` drafts at its `sequence_step`-th step in a step of
         `batch` sequences (the rule in the module doc)."""
-        if (self.steps[method] < WARMUP_STEPS or sequence_step % PROBE_EVERY == 0
-                or self.unit_seconds is None):
+        if self.steps[method] < WARMUP_STEPS or self.unit_seconds is None:
             return True
         seconds = max(self.seconds[method], 1e-9)
-        return self.gain[method] * cost(batch) * self.unit_seconds >= batch * seconds
+        if self.gain[method] * cost(batch) * self.unit_seconds >= batch * seconds:
+            self.misses[method] = 0
+            return True
+        interval = PROBE_EVERY << min(self.misses[method], MAX_BACKOFF)
+        probe = sequence_step > 0 and sequence_step % interval == 0
+        self.misses[method] += probe
+        return probe
