@@ -137,17 +137,21 @@ def test_the_ledger_drafts_while_drafting_pays_and_probes_when_it_does_not():
         ledger.record_draft("slow", 0, 0.005)  # 5 ms of drafting for nothing accepted
         ledger.record_draft("fast", 2, 0.001)  # 2 tokens a step for 1 ms
     assert not ledger.worth_drafting("slow", 1, 1, cost)
-    assert not ledger.worth_drafting("slow", 0, 1, cost)  # a sequence's first step: no probe
-    assert ledger.worth_drafting("slow", PROBE_EVERY, 1, cost)  # a probe step
-    # probes that keep saying no come ever further apart, up to every 8 * 2^MAX_BACKOFF steps
+    for _ in range(MAX_BACKOFF + 2):  # alone in its step: a probe every 8th step, the first too
+        assert ledger.worth_drafting("slow", 0, 1, cost)
+        assert ledger.worth_drafting("slow", PROBE_EVERY, 1, cost)
+        assert not ledger.worth_drafting("slow", PROBE_EVERY + 1, 1, cost)
+    # beside others: not at a sequence's first step, and probes that keep saying no come ever
+    # further apart, up to every 8 * 2^MAX_BACKOFF steps
+    assert not ledger.worth_drafting("slow", 0, 2, cost)
+    assert ledger.worth_drafting("slow", PROBE_EVERY, 2, cost)
     for misses in range(1, MAX_BACKOFF + 2):
         interval = PROBE_EVERY << min(misses, MAX_BACKOFF)
-        assert not ledger.worth_drafting("slow", interval // 2 * 3, 1, cost)
-        assert ledger.worth_drafting("slow", interval * 5, 1, cost)
-    ledger.record_draft("slow", 6, 0.001)  # its drafts pay again: probing starts over
-    for _ in range(40):
+        assert not ledger.worth_drafting("slow", interval // 2 * 3, 2, cost)
+        assert ledger.worth_drafting("slow", interval * 5, 2, cost)
+    for _ in range(40):  # its drafts pay again: probing starts over
         ledger.record_draft("slow", 6, 0.001)
-    assert ledger.worth_drafting("slow", 1, 1, cost)
+    assert ledger.worth_drafting("slow", 1, 2, cost)
     assert ledger.misses["slow"] == 0
     assert ledger.worth_drafting("fast", 1, 1, cost)
     # 32 sequences: the batch makes 32 / (4.1 * 20 ms) = 390 tokens/s without drafts, so

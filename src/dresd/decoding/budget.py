@@ -24,12 +24,14 @@ its draft rows added to the forward (cost(R) - cost(R - drafted rows), in second
 averages), B = sequences in the step, unit = seconds per cost unit (the measured
 forward seconds over cost(rows)). The right side is the batch's tokens per second without
 drafts; drafting pays when its tokens come faster than that. A method is always consulted for
-its first steps, and where the rule says no, at probes that keep its record current: a
-sequence's step s is a probe when s > 0 and s is a multiple of PROBE_EVERY * 2^m, where m
-counts the method's probes in a row that still said no (at most MAX_BACKOFF). Probes cost what
-drafting costs, and a drafter that catches up on a context it has not read (suffix's trie of
-the prompt, ~10 ms for 100 tokens) costs more on its first. Under a load where drafts cannot
-pay, a few probes in a row say no, and the method's sequences then probe every 64th step.
+its first steps, and where the rule says no, at probes that keep its record current. Alone in
+its step, a sequence probes at every PROBE_EVERY-th step (0 included): a probe delays no one
+else, and how much drafts pay changes along an answer. Beside others, its step s is a probe when
+s > 0 and s is a multiple of PROBE_EVERY * 2^m, where m counts the method's probes in a row
+that still said no (at most MAX_BACKOFF): there a probe's drafting holds up every stream, and
+a drafter that catches up on a context it has not read costs more (suffix reads the prompt
+into its trie, ~10 ms for 100 tokens). Under a load where drafts cannot pay, a few probes in a
+row say no, and the method's sequences then probe every 64th step.
 
 Sorting every candidate of the batch by reach and taking a prefix keeps each tree closed under
 parents (a child's reach never exceeds its parent's; ties go to the shallower node), so what
@@ -164,6 +166,8 @@ class DraftingLedger:
         if self.gain[method] * cost(batch) * self.unit_seconds >= batch * seconds:
             self.misses[method] = 0
             return True
+        if batch == 1:  # a probe delays no other stream: every 8th step, the first included
+            return sequence_step % PROBE_EVERY == 0
         interval = PROBE_EVERY << min(self.misses[method], MAX_BACKOFF)
         probe = sequence_step > 0 and sequence_step % interval == 0
         self.misses[method] += probe
