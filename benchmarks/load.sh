@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The batched engine's figures (README "Under load"), about 15 minutes on 2 cores:
+# The batched engine's figures (README "Under load"), about 10 minutes on 2 cores:
 #   1. every method under load: dresd bench --concurrency 1,4,16,32 on 32 GSM8K questions
 #      (results/concurrency/gsm8k/concurrency.md, .json, .png);
 #   2. the server under 16 streaming clients, hybrid, against single-stream AR in the same run
