@@ -93,7 +93,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
     rows, blocks, tail = split
     best_block = blocks.amax(-1).argmax(-1)
-    inside = blocks[torch.arange(len(rows)), best_block]
+    inside = blocks[torch.arange(len(rows), device=rows.device), best_block]
     best = inside.argmax(-1)
     tokens = best_block * BLOCK + best
     if tail.shape[-1]:
@@ -113,7 +113,8 @@ def top_two(logits: torch.Tensor) -> torch.Tensor:
         return logits.topk(2, dim=-1).values
     rows, blocks, tail = split
     two_blocks = blocks.amax(-1).topk(2, dim=-1)
-    inside = blocks[torch.arange(len(rows)), two_blocks.indices[:, 0]].topk(2, dim=-1).values
+    best_blocks = blocks[torch.arange(len(rows), device=rows.device), two_blocks.indices[:, 0]]
+    inside = best_blocks.topk(2, dim=-1).values
     candidates = [inside, two_blocks.values[:, 1:]]
     if tail.shape[-1]:
         candidates.append(tail.topk(min(2, tail.shape[-1]), dim=-1).values)
