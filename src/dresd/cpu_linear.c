@@ -37,7 +37,6 @@
 #ifndef PREFETCH
 #define PREFETCH 16             /* pairs of k ahead (16: 4 KB) that each step prefetches */
 #endif
-#define ROW_GROUP MAX_TILE       /* rows per work item: fine items keep two threads even */
 
 /* bf16(value) for 16 floats, to nearest, ties to even; NaN stays a quiet NaN. */
 static inline __m256i round_to_bf16(__m512 value) {
@@ -88,22 +87,18 @@ static inline __attribute__((always_inline)) void tile(
         }
 }
 
-/* Rows [first, last) of one panel, MAX_TILE rows at a time, then the rest in one tile. */
-static void panel_rows(const uint16_t *x, int64_t x_stride, int first, int last,
-                       const uint16_t *panel, int pairs, const float *bias, uint16_t *y,
-                       int64_t y_stride, int outputs) {
-    int m = first;
-    for (; m + MAX_TILE <= last; m += MAX_TILE)
-        tile(MAX_TILE, x + m * x_stride, x_stride, panel, pairs, bias, y + m * y_stride,
-             y_stride, outputs);
-    const uint16_t *xm = x + m * x_stride;
-    uint16_t *ym = y + m * y_stride;
-    switch (last - m) {
-        case 5: tile(5, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
-        case 4: tile(4, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
-        case 3: tile(3, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
-        case 2: tile(2, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
-        case 1: tile(1, xm, x_stride, panel, pairs, bias, ym, y_stride, outputs); break;
+/* One tile of `count` rows (1 to MAX_TILE) of one panel, its row count a constant in each
+ * call so that the accumulators stay in registers. */
+static void panel_tile(int count, const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                       int pairs, const float *bias, uint16_t *y, int64_t y_stride,
+                       int outputs) {
+    switch (count) {
+        case 6: tile(6, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 5: tile(5, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 4: tile(4, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 3: tile(3, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 2: tile(2, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 1: tile(1, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
         default: break;
     }
 }
@@ -116,19 +111,21 @@ void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t 
                   int pairs, int n, const float *bias, uint16_t *y, int64_t y_stride,
                   int threads) {
     int panels = (n + PANEL - 1) / PANEL;
-    int groups = (rows + ROW_GROUP - 1) / ROW_GROUP;
-    int items = panels * groups;
+    int tiles = (rows + MAX_TILE - 1) / MAX_TILE;
+    int items = panels * tiles;
     if (threads > items) threads = items; /* an idle thread would only add to the join */
-    /* Work item = (panel, row group), panel-major: a thread's items are consecutive row groups
-     * of one panel, so the panel's weights stay in cache across all its rows' tiles. Items of
-     * one tile each: a 9-panel layer (576 outputs) at 16 rows is 27 items, split 14/13 between
-     * two threads, where whole panels split 5/4. */
+    /* Work item = (panel, row tile), panel-major: a thread's items are consecutive row tiles
+     * of one panel, so the panel's weights stay in cache across all its rows. Items this fine
+     * keep two threads even: a 9-panel layer (576 outputs) at 16 rows is 27 items, split 14/13,
+     * where whole panels split 5/4. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int item = 0; item < items; item++) {
-        int panel = item / groups, group = item % groups;
-        int first = group * ROW_GROUP, last = first + ROW_GROUP < rows ? first + ROW_GROUP : rows;
+        int panel = item / tiles, first = item % tiles * MAX_TILE;
+        int count = rows - first < MAX_TILE ? rows - first : MAX_TILE;
         int outputs = n - panel * PANEL < PANEL ? n - panel * PANEL : PANEL;
-        panel_rows(x, x_stride, first, last, packed + (int64_t)panel * pairs * 2 * PANEL, pairs,
-                   bias ? bias + panel * PANEL : NULL, y + panel * PANEL, y_stride, outputs);
+        panel_tile(count, x + first * x_stride, x_stride,
+                   packed + (int64_t)panel * pairs * 2 * PANEL, pairs,
+                   bias ? bias + panel * PANEL : NULL, y + panel * PANEL + first * y_stride,
+                   y_stride, outputs);
     }
 }
