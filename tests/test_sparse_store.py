@@ -87,6 +87,10 @@ def test_target_with_another_tokenizer_is_refused(tmp_path, source_tree, default
     MethodRunner(default_target, "rest", settings, datastore=str(out))  # same tokenizer: fine
     with pytest.raises(DatastoreError, match="another tokenizer"):
         MethodRunner(other_tokenizer_target(default_target), "rest", settings, datastore=str(out))
+    variant = RestDrafter(str(out)).with_options(draft_len=2)  # a server request's own shape
+    variant.check_target(default_target)
+    with pytest.raises(DatastoreError, match="another tokenizer"):
+        variant.check_target(other_tokenizer_target(default_target))
 
 
 def test_another_model_with_the_same_tokenizer_is_refused(tmp_path, source_tree,

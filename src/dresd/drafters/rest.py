@@ -79,7 +79,7 @@ class RestDrafter(RestOptions, Drafter):
 
     name = "rest"
     index: SparseIndex  # the datastore's suffix array
-    manifest: Manifest | None  # None: a bare index, or one opened by another drafter
+    manifest: Manifest | None  # None: a bare index given to it, or a folder without one
     learned: LearnedSparseStore | None
 
     def __post_init__(self) -> None:
@@ -97,8 +97,11 @@ class RestDrafter(RestOptions, Drafter):
         check_sparse_target(self.manifest, target, "the datastore" if opened else self.datastore)
 
     def with_options(self, **options) -> RestDrafter:
-        """Another shape over the same opened suffix array (its learned outputs its own)."""
-        return dataclasses.replace(self, **{"datastore": self.index, **options})
+        """Another shape over the same opened suffix array and its manifest, so that it checks
+        a target as this drafter does (its learned outputs its own)."""
+        variant = dataclasses.replace(self, **{"datastore": self.index, **options})
+        variant.manifest = self.manifest
+        return variant
 
     def propose(self, context: DraftContext) -> list[Draft]:
         draft_len = min(self.draft_len, context.max_draft_len)
