@@ -310,9 +310,10 @@ def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
     weights from the fused ones (`cpu_linear.share_storage`): no weight is held twice."""
     attn, mlp = layer.self_attn, layer.mlp
     parts = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
+    modules = parts[0] + parts[1]
     cached = _FUSED.get(layer)
-    if cached is None or cached[0] != parts[0] + parts[1]:  # modules compare by identity
-        cached = _FUSED[layer] = (parts[0] + parts[1], _fuse(parts))
+    if cached is None or cached[0] != modules:  # modules compare by identity
+        cached = _FUSED[layer] = (modules, _fuse(parts))
     return cached[1]
 
 
