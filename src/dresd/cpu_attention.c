@@ -271,9 +271,6 @@ static size_t scratch_floats(int length, int dim) {
     return (size_t)dim * padded + ROWS * (padded + dim);
 }
 
-/* One kv head g of one sequence: every query row of the heads that read it. Query row
- * (head h, row r) at query + h * query_head_stride + r * query_row_stride; its output at
- * out + r * out_row_stride + h * dim. Where these rows live changes no arithmetic. */
 /* Rows [first, first + n) of one kv head's query rows (see attend_kv_head): scores, weights,
  * weighted values. n is a constant where it is inlined, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void attend_rows(
