@@ -94,7 +94,7 @@ def loop_parts(model: torch.nn.Module, sizes: tuple[int, ...], context_len: int,
             t1 = clock(device)
             output = forward([segment])[0]
             t2 = clock(device)
-            greedy_accept(tree, output.logits)
+            greedy_accept(tree, output.greedy)
             t3 = clock(device)
             # The deepest node's path: on a bushy tree not the first nodes, so entries move.
             forward.keep(sequence, context_len, tree.path_to(len(tree) - 1))

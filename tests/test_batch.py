@@ -209,3 +209,28 @@ def test_forked_drafters_in_one_batch_are_lossless(tiny):
                 for i, p in enumerate(prompts)]
     results = run_batched(tiny, requests, [0, 0, 0, 1, 1, 2, 2, 3], max_batch_size=8)
     assert [result.token_ids for result in results] == references
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gemma"])
+def test_recorded_top2_are_each_tokens_two_best_logits(tiny, model_name):
+    """The reference's record (`record_top2`), taken for the whole step in one pass, gives each
+    emitted token the two best logits of the row that chose it, beside requests that record
+    nothing and drafters whose trees accept paths of several nodes."""
+    model = tiny if model_name == "llama" else tiny_gemma()
+    prompts = varied_prompts(5, seed=11)
+    references = [reference_greedy(model, p, 12) for p in prompts]
+    requests = [Request(prompt=p, drafter=mixed_drafter(i, p, ref), max_new_tokens=12,
+                        record_top2=i != 2)
+                for i, (p, ref) in enumerate(zip(prompts, references, strict=True))]
+    results = run_batched(model, requests, [0, 0, 1, 2, 2], max_batch_size=4)
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        if i == 2:
+            assert result.top2_logits is None
+            continue
+        ids = torch.tensor([prompt + result.token_ids[:-1]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:].float()
+        expected = logits.topk(2, dim=-1).values
+        assert result.top2_logits is not None and len(result.top2_logits) == len(expected)
+        torch.testing.assert_close(torch.tensor(result.top2_logits), expected,
+                                   rtol=1e-5, atol=1e-5)

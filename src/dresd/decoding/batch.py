@@ -41,13 +41,7 @@ from dresd.decoding.budget import (
 )
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
-from dresd.decoding.sampling import (
-    SamplingConfig,
-    greedy_tokens,
-    next_token_probs,
-    sample,
-    top_two,
-)
+from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.stopping import StoppingRule
 from dresd.decoding.tree import DraftTree
 from dresd.decoding.verify import greedy_accept, sampling_accept
@@ -218,8 +212,8 @@ class BatchEngine:
                 state.result.prefill_seconds = clock(self.device) - state.started
                 state.query = output.hidden[-1]
                 state.states.append(output.hidden[-1:])
-                emitted = [self._choose(state, output.logits[-1])]
-                self._record_top2(state, output.logits[-1:])
+                emitted = [self._choose(state, output)]
+                self._record_top2(state, output, [-1])
             else:
                 emitted = self._accept(state, segment, output, forward_started)
             # 5. Emit, stop where plain decoding stops.
@@ -243,7 +237,7 @@ class BatchEngine:
         end = min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
         last = end == state.prompt_len
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
-                       logits_rows="last" if last else "none")
+                       logits_rows="last" if last else "none", top2=state.request.record_top2)
 
     def _draft(self, state: Running, decoding: int) -> None:
         """The drafter's drafts after the sequence's last token, merged into `state.tree`
@@ -285,24 +279,26 @@ class BatchEngine:
         linear = tree.is_linear()
         return Segment(state.cache, tree.tokens, state.n - 1,
                        depths=None if linear else tree.depths,
-                       ancestors=None if linear else tree.ancestor_matrix(self.device))
+                       ancestors=None if linear else tree.ancestor_matrix(self.device),
+                       top2=state.request.record_top2)
 
-    def _choose(self, state: Running, logits: torch.Tensor) -> int:
+    def _choose(self, state: Running, output: SegmentOutput) -> int:
+        """The token after the output's last logits row."""
         sampling = state.request.sampling
         if sampling is None:
-            return int(greedy_tokens(logits))
-        return sample(next_token_probs(logits, sampling), state.generator)
+            return output.greedy[-1]
+        return sample(next_token_probs(output.logits[-1], sampling), state.generator)
 
     def _accept(self, state: Running, segment: Segment, output: SegmentOutput,
                 forward_started: float) -> list[int]:
         tree = state.tree
         # 3b. The longest path the target agrees with, plus its own next token.
         if state.request.sampling is None:
-            path, bonus = greedy_accept(tree, output.logits)
+            path, bonus = greedy_accept(tree, output.greedy)
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
                                           state.generator)
-        self._record_top2(state, output.logits[path])  # the rows that chose each token
+        self._record_top2(state, output, path)  # the rows that chose each token
         self.estimates.observe(state.request.drafter.name, tree, path)
         if state.drafted and self.cost is not None:  # what drafting cost: itself, its rows
             rows = self.last_step[1]
@@ -325,10 +321,9 @@ class BatchEngine:
         return [tree.tokens[node] for node in path[1:]] + [bonus]
 
     @staticmethod
-    def _record_top2(state: Running, logits: torch.Tensor) -> None:
+    def _record_top2(state: Running, output: SegmentOutput, rows: list[int]) -> None:
         if state.result.top2_logits is not None:
-            top2 = top_two(logits.float()).tolist()
-            state.result.top2_logits.extend((a, b) for a, b in top2)
+            state.result.top2_logits.extend(output.top2[row] for row in rows)
 
     def _emit(self, state: Running, emitted: list[int]) -> bool:
         """Append the step's tokens; True when the sequence is done."""

@@ -37,10 +37,11 @@ unexplained; an unexplained one is a bug.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from dresd.decoding.sampling import SamplingConfig, greedy_tokens, next_token_probs, sample
+from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 
 NEAR_TIE_ULPS = 4  # top-2 gaps within this many ulps of the top logit are near-ties
@@ -71,9 +72,9 @@ def classify_divergence(
     return "near_tie" if top - second <= near_tie_tolerance(dtype, top) else "unexplained"
 
 
-def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Return (accepted path of node indices starting at the root, bonus token)."""
-    predicted = greedy_tokens(logits).tolist()  # one argmax per node, in one call
+def greedy_accept(tree: DraftTree, predicted: Sequence[int]) -> tuple[list[int], int]:
+    """Return (accepted path of node indices starting at the root, bonus token), given the
+    target's argmax at every node (`SegmentOutput.greedy`)."""
     path = [0]
     while True:
         token = predicted[path[-1]]
