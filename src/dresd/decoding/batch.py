@@ -263,8 +263,10 @@ class BatchEngine:
         """Cut every tree that takes the budget to the nodes that pay (`budget.batch_budget`);
         the others' rows count as fixed. A drafter that sizes its own trees (hybrid) is cut
         only when it shares the step with other sequences."""
-        trimmed = [state for state in decoding if state.request.budget and (
-            len(decoding) > 1 or not state.request.drafter.sizes_its_trees)]
+        trimmed = [state for state in decoding if state.request.budget and len(state.tree) > 1
+                   and (len(decoding) > 1 or not state.request.drafter.sizes_its_trees)]
+        if not trimmed:  # no draft to cut: under load, most steps
+            return
         fixed = chunk_rows + sum(len(state.tree) for state in decoding) - sum(
             len(state.tree) - 1 for state in trimmed)
         reaches = [self.estimates.reach(state.request.drafter.name, state.tree)
