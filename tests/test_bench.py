@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_targets import tiny_target
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from dresd.bench.concurrency import run_concurrency
 from dresd.cli.main import main
-from dresd.runner import MethodRunner
+from dresd.runner import GenerationSettings, MethodRunner
 
 METHODS = ["ar", "none", "pld"]
 
@@ -151,3 +153,45 @@ def test_built_in_datasets_load_with_their_categories():
     assert all(sum(p.category == c for p in first) == 2 for c in categories)
     assert [p.text for p in first if p.category == "writing"] == [
         row["turns"][0] for row in rows if row["category"] == "writing"][:2]
+
+
+def test_concurrency_report(tiny_model_dir, dataset, tmp_path):
+    """`--concurrency`: a row per level and method, AR's speedup 1, every output identical to
+    AR's single-stream one, and the table, JSON and plot written."""
+    out = tmp_path / "load"
+    assert bench(tiny_model_dir, dataset, out, "--concurrency", "1,3") == 0
+    rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    assert [(row["concurrency"], row["method"]) for row in rows] == [
+        (level, method) for level in (1, 3) for method in METHODS]
+    for row in rows:
+        assert row["identical"] == row["num_prompts"] == 4
+        assert row["num_new_tokens"] > 0 and row["tokens_per_s"] > 0
+        assert row["ttft_p50"] <= row["latency_p50"]
+        if row["method"] == "ar":
+            assert row["speedup"] == 1.0
+    assert (out / "concurrency.png").stat().st_size > 0
+    assert "| 3 | pld |" in (out / "concurrency.md").read_text()
+
+
+def test_every_timed_concurrency_run_starts_from_a_drafter_that_learned_nothing(monkeypatch):
+    """Every level runs the same prompts: suffix must not draft a level's answers from the
+    answers it learned at the level before (or in the warm-up)."""
+    target = tiny_target()
+    settings = GenerationSettings(max_new_tokens=8)
+    runners = [MethodRunner(target, "ar", settings),
+               MethodRunner(target, "suffix", settings, budget=False)]
+    suffix = runners[1]
+    learned_before = []
+    generate_many = MethodRunner.generate_many
+
+    def counting(runner, prompts, concurrency):
+        if runner is suffix:
+            learned_before.append(len(runner.drafter.cached))
+        return generate_many(runner, prompts, concurrency)
+
+    prompts = [[5, 6, 7, 8, 9] * 3, [9, 8, 7] * 4, [3, 4] * 6]
+    monkeypatch.setattr(MethodRunner, "generate_many", counting)
+    rows = run_concurrency(runners, prompts, [1, 2], progress=False)
+    assert learned_before[1:] == [0, 0]  # the two timed runs (the first call: the warm-up)
+    assert len(suffix.drafter.cached) == len(prompts)  # it did learn, within its run
+    assert all(row["identical"] == len(prompts) for row in rows)

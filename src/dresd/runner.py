@@ -75,10 +75,8 @@ class MethodRunner:
         self.method = method
         self.label = label or method  # its name in reports: "dresd[max_tree_nodes=2]"
         self.settings = settings
-        self.drafter: Drafter = make_drafter("none" if method == AR else method,
-                                             **drafter_options)
-        # Drafters bound to a model (datastores) refuse a target they were not built for.
-        self.drafter.check_target(target)
+        self.drafter_options = drafter_options
+        self.drafter = self._new_drafter()
         if budget is None:
             budget = drafter_options.get("max_tree_nodes") is None
         self.budget = budget and method not in (AR, "none")  # nothing drafted, nothing to cut
@@ -87,6 +85,19 @@ class MethodRunner:
             curve = load_or_measure(target)
             self.cost = lambda rows: cost_at(curve, rows)
         self.engine = self.batch(1)  # reused prompt to prompt
+
+    def _new_drafter(self) -> Drafter:
+        drafter = make_drafter("none" if self.method == AR else self.method,
+                               **self.drafter_options)
+        # Drafters bound to a model (datastores) refuse a target they were not built for.
+        drafter.check_target(self.target)
+        return drafter
+
+    def forget(self) -> None:
+        """Start again from a drafter that has learned nothing: a new one from the same options
+        (what the old one kept of finished generations, such as suffix's global trie and
+        hybrid's acceptance table, is gone; datastores are opened again)."""
+        self.drafter = self._new_drafter()
 
     def check_fits(self, prompt_ids: list[int]) -> int:
         """How many new tokens the prompt leaves room for; an error if it fills the context."""

@@ -3,7 +3,11 @@
 At each concurrency c, each method runs all the prompts through one batched loop, c of them
 generating at once (the rest queue and join as others finish: c clients that each send their
 next prompt when the last one is answered). Methods take turns at each level, so drift on a
-noisy machine hits all of them alike. Per method and level:
+noisy machine hits all of them alike. Every level runs the same prompts, so each timed run
+starts from a drafter that has learned nothing (`MethodRunner.forget`): a method that learns
+finished outputs (suffix, hybrid) would otherwise draft a level's answers from the answers it
+gave the same prompts at the level before, a repeated workload no server sees at every level.
+Per method and level:
 
 - tokens_per_s = all new tokens / wall-clock seconds of the whole run (aggregate throughput);
 - speedup = tokens_per_s / AR's tokens_per_s at the same concurrency (the same run);
@@ -38,6 +42,7 @@ def run_concurrency(runners: list[MethodRunner], prompt_ids: list[list[int]],
     for level in sorted(levels):
         for runner in runners:
             bar.set_postfix_str(f"c={level} {runner.label}")
+            runner.forget()
             started = time.perf_counter()
             results = runner.generate_many(prompt_ids, level)
             seconds = time.perf_counter() - started
