@@ -155,22 +155,32 @@ def test_built_in_datasets_load_with_their_categories():
         row["turns"][0] for row in rows if row["category"] == "writing"][:2]
 
 
-def test_concurrency_report(tiny_model_dir, dataset, tmp_path):
-    """`--concurrency`: a row per level and method, AR's speedup 1, every output identical to
-    AR's single-stream one, and the table, JSON and plot written."""
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_concurrency_report(tiny_model_dir, dataset, tmp_path, rounds):
+    """`--concurrency`: a row per level and method, AR's speedup 1, every output of every round
+    identical to AR's single-stream one, the ratio between its rounds' lowest and highest, and
+    the table, JSON and plot written."""
     out = tmp_path / "load"
-    assert bench(tiny_model_dir, dataset, out, "--concurrency", "1,3") == 0
+    assert bench(tiny_model_dir, dataset, out, "--concurrency", "1,3",
+                 "--rounds", str(rounds)) == 0
     rows = json.loads((out / "concurrency.json").read_text())["rows"]
     assert [(row["concurrency"], row["method"]) for row in rows] == [
         (level, method) for level in (1, 3) for method in METHODS]
     for row in rows:
-        assert row["identical"] == row["num_prompts"] == 4
+        assert row["rounds"] == rounds and row["num_prompts"] == 4
+        assert row["identical"] == row["num_outputs"] == 4 * rounds
         assert row["num_new_tokens"] > 0 and row["tokens_per_s"] > 0
         assert row["ttft_p50"] <= row["latency_p50"]
+        assert row["speedup_min"] - 1e-9 <= row["speedup"] <= row["speedup_max"] + 1e-9
         if row["method"] == "ar":
-            assert row["speedup"] == 1.0
+            assert row["speedup"] == row["speedup_min"] == row["speedup_max"] == 1.0
     assert (out / "concurrency.png").stat().st_size > 0
     assert "| 3 | pld |" in (out / "concurrency.md").read_text()
+
+
+def test_rounds_need_concurrency(tiny_model_dir, dataset, tmp_path, capsys):
+    assert bench(tiny_model_dir, dataset, tmp_path / "x", "--rounds", "2") != 0
+    assert "--rounds" in capsys.readouterr().err
 
 
 def test_every_timed_concurrency_run_starts_from_a_drafter_that_learned_nothing(monkeypatch):
@@ -191,7 +201,7 @@ def test_every_timed_concurrency_run_starts_from_a_drafter_that_learned_nothing(
 
     prompts = [[5, 6, 7, 8, 9] * 3, [9, 8, 7] * 4, [3, 4] * 6]
     monkeypatch.setattr(MethodRunner, "generate_many", counting)
-    rows = run_concurrency(runners, prompts, [1, 2], progress=False)
-    assert learned_before[1:] == [0, 0]  # the two timed runs (the first call: the warm-up)
+    rows = run_concurrency(runners, prompts, [1, 2], rounds=2, progress=False)
+    assert learned_before[1:] == [0] * 4  # 2 levels x 2 rounds (the first call: the warm-up)
     assert len(suffix.drafter.cached) == len(prompts)  # it did learn, within its run
-    assert all(row["identical"] == len(prompts) for row in rows)
+    assert all(row["identical"] == 2 * len(prompts) for row in rows)

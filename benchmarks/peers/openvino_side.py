@@ -126,7 +126,8 @@ def cmd_collect(args: argparse.Namespace) -> None:
                 "runner": "dresd", "pipeline": row["method"], "set": args.set,
                 "requests": row["concurrency"], "threads": meta["threads"],
                 "round": args.round, "weights": meta["dtype"],
-                "max_new_tokens": meta["max_new_tokens"], "num_prompts": row["num_prompts"],
+                "max_new_tokens": meta["max_new_tokens"],
+                "num_prompts": row.get("num_outputs", row["num_prompts"]),  # over its rounds
                 "num_new_tokens": row["num_new_tokens"], "seconds": row["seconds"],
                 "tokens_per_s": row["tokens_per_s"], "identical_to_ar": row["identical"],
                 "mean_accepted_length": row["mean_accepted_length"], "runtime": _meta(meta)}))

@@ -49,6 +49,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             "through one batch, C at once, for each C (e.g. 1,4,16,32): "
                             "aggregate tokens/s, TTFT and latency percentiles "
                             "(concurrency.json/.md/.png in --out)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="with --concurrency: run every method this many times per level, "
+                            "in turn, and report the sum with the per-round spread of its "
+                            "ratio to AR (default 1)")
     add_save_outputs_option(bench)  # AR's output per prompt: every method's, when greedy
     bench.set_defaults(func=run)
 
@@ -60,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     methods = [label for label, _, _ in specs]
     check_limit(args)
     levels = parse_levels(args.concurrency)
+    if args.rounds < 1 or (args.rounds > 1 and not levels):
+        raise UserError(f"--rounds takes a whole number >= 1, with --concurrency; got "
+                        f"{args.rounds}{'' if levels else ' without --concurrency'}")
     prompts = [p for name in args.dataset
                for p in load_prompts(name, args.limit, args.prompt_field, args.category_field)]
     check_datastore_arg(args)
@@ -76,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # started us in the background made it ignore SIGINT (Python then installs no handler).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if levels:
-        rows = run_concurrency(runners, prompt_ids, levels)
+        rows = run_concurrency(runners, prompt_ids, levels, args.rounds)
         write_concurrency(rows, meta, args.out)
         print("\n".join(concurrency_table(rows)))
         print(f"\nreport: {args.out / 'concurrency.md'}")
