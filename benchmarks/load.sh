@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The batched engine's figures (README "Under load"), about 10 minutes on 2 cores:
-#   1. every method under load: dresd bench --concurrency 1,4,16,32 on 32 GSM8K questions
+# The batched engine's figures (README "Under load"), about 20 minutes on 2 cores:
+#   1. every method under load: dresd bench --concurrency 1,4,16,32 --rounds 2 on 32 GSM8K questions
 #      (results/concurrency/gsm8k/concurrency.md, .json, .png);
 #   2. the server under 16 streaming clients, hybrid, against single-stream AR in the same run
 #      (results/serve.md, .json);
@@ -22,12 +22,12 @@ if [ ! -f "$STORE/manifest.json" ]; then
 fi
 
 $DRESD bench --methods ar,pld,suffix,hybrid --dataset gsm8k --limit 32 --max-new-tokens 64 \
-  --threads 1 --concurrency 1,4,16,32 --out "$RESULTS/concurrency/gsm8k"
+  --threads 1 --concurrency 1,4,16,32 --rounds 2 --out "$RESULTS/concurrency/gsm8k"
 
 PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --clients 16 --rounds 2 \
   --max-tokens 64 --method hybrid --threads 1 --out "$RESULTS/serve"
 
 for set in gsm8k mt_bench humaneval; do
   $DRESD bench --methods 'ar,dresd,dresd[budget=0]' --datastore "$STORE" --dataset "$set" \
-    --limit 8 --max-new-tokens 96 --threads 1 --out "$RESULTS/dresd_default/$set"
+    --limit 16 --max-new-tokens 96 --threads 1 --out "$RESULTS/dresd_default/$set"
 done
