@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The batched engine's figures (README "Under load"), about 20 minutes on 2 cores:
-#   1. every method under load: dresd bench --concurrency 1,4,16,32 --rounds 2 on 32 GSM8K questions
-#      (results/concurrency/gsm8k/concurrency.md, .json, .png);
+# The batched engine's figures (README "Under load"), about 25 minutes on 2 cores:
+#   1. every method under load: dresd bench --concurrency 1,4,16,32 --rounds 3 on 32 GSM8K
+#      questions (results/concurrency/gsm8k/concurrency.md, .json, .png);
 #   2. the server under 16 streaming clients, hybrid, against single-stream AR in the same run
 #      (results/serve.md, .json);
 #   3. DReSD at its default (the step budget) against AR and against the paper's fixed shape,
@@ -22,7 +22,7 @@ if [ ! -f "$STORE/manifest.json" ]; then
 fi
 
 $DRESD bench --methods ar,pld,suffix,hybrid --dataset gsm8k --limit 32 --max-new-tokens 64 \
-  --threads 1 --concurrency 1,4,16,32 --rounds 2 --out "$RESULTS/concurrency/gsm8k"
+  --threads 1 --concurrency 1,4,16,32 --rounds 3 --out "$RESULTS/concurrency/gsm8k"
 
 PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --clients 16 --rounds 2 \
   --max-tokens 64 --method hybrid --threads 1 --out "$RESULTS/serve"

@@ -33,6 +33,8 @@ from dresd.decoding.verify import classify_divergence
 from dresd.metrics import GenerationResult
 from dresd.runner import AR, MethodRunner
 
+Run = tuple[list[GenerationResult], float]  # one timed run: its results, its seconds
+
 
 def run_concurrency(runners: list[MethodRunner], prompt_ids: list[list[int]],
                     levels: list[int], rounds: int = 1, progress: bool = True) -> list[dict]:
@@ -45,15 +47,15 @@ def run_concurrency(runners: list[MethodRunner], prompt_ids: list[list[int]],
     for runner in runners:  # warm-up, untimed
         runner.generate_many([ids[:64] for ids in prompt_ids[:2]], 2)
     for level in sorted(levels):
-        runs: dict[str, list[tuple[list[GenerationResult], float]]] = {}
+        runs: dict[str, list[Run]] = {}
         for _ in range(rounds):
             for runner in runners:
                 bar.set_postfix_str(f"c={level} {runner.label}")
                 runner.forget()
                 started = time.perf_counter()
                 results = runner.generate_many(prompt_ids, level)
-                runs.setdefault(runner.label, []).append((results,
-                                                          time.perf_counter() - started))
+                seconds = time.perf_counter() - started
+                runs.setdefault(runner.label, []).append((results, seconds))
                 if runner.method == AR and reference is None:
                     reference = results
                 bar.update()
@@ -68,16 +70,18 @@ def _tokens_per_s(results: list[GenerationResult], seconds: float) -> float:
     return sum(len(r.token_ids) for r in results) / seconds
 
 
-def _row(runner: MethodRunner, level: int, runs: list[tuple[list[GenerationResult], float]],
-         ar_runs: list[tuple[list[GenerationResult], float]],
+def _pooled(runs: list[Run]) -> Run:
+    """Several runs as one: all their results, all their seconds."""
+    return [result for results, _ in runs for result in results], sum(s for _, s in runs)
+
+
+def _row(runner: MethodRunner, level: int, runs: list[Run], ar_runs: list[Run],
          reference: list[GenerationResult] | None) -> dict:
-    results = [result for run, _ in runs for result in run]
-    seconds = sum(run_seconds for _, run_seconds in runs)
-    ar_seconds = sum(run_seconds for _, run_seconds in ar_runs)
+    results, seconds = _pooled(runs)
     tokens = sum(len(r.token_ids) for r in results)
     forwards = sum(r.num_target_forwards for r in results)
-    ratios = [_tokens_per_s(*mine) / _tokens_per_s(*ar) for mine, ar in zip(runs, ar_runs,
-                                                                           strict=True)]
+    ratios = [_tokens_per_s(*mine) / _tokens_per_s(*ar)
+              for mine, ar in zip(runs, ar_runs, strict=True)]
     verdicts = {"identical": 0, "near_tie": 0, "unexplained": 0}
     if reference is not None and runner.settings.sampling is None:
         dtype = runner.target.dtype
@@ -91,8 +95,7 @@ def _row(runner: MethodRunner, level: int, runs: list[tuple[list[GenerationResul
         "method": runner.label, "concurrency": level, "rounds": len(runs),
         "num_prompts": len(runs[0][0]), "num_outputs": len(results),
         "num_new_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-        "speedup": (tokens / seconds) / (sum(len(r.token_ids) for run, _ in ar_runs
-                                              for r in run) / ar_seconds),
+        "speedup": tokens / seconds / _tokens_per_s(*_pooled(ar_runs)),
         "speedup_min": min(ratios), "speedup_max": max(ratios),
         "mean_accepted_length": tokens / forwards if forwards else None,
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
