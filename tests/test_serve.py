@@ -25,6 +25,7 @@ from dresd.datastore.dense import DenseBuildConfig, build_dense
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 from dresd.serve import protocol
+from dresd.serve.engine import on_a_passing_thread
 from dresd.serve.local import LocalServer
 
 MAX_TOKENS = 12
@@ -405,3 +406,23 @@ def test_a_huge_body_is_413_and_the_server_stays_responsive(server, client, chun
         status, reply = huge.result()
     assert status == 413 and "larger than this server's limit" in reply["error"]["message"]
     assert health_seconds < 5  # a held event loop took 22 s here
+
+
+def test_loading_runs_on_a_thread_that_ends():
+    """The server loads on a thread of its own that is gone when loading returns (its OpenMP
+    pool with it), and a failure there is raised on the caller's thread."""
+    seen = {}
+
+    def load(value: int) -> int:
+        seen["thread"] = threading.current_thread()
+        return value + 1
+
+    assert on_a_passing_thread(load, 41) == 42
+    assert seen["thread"] is not threading.current_thread()
+    assert not seen["thread"].is_alive()
+
+    def fail() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        on_a_passing_thread(fail)

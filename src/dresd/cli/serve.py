@@ -31,7 +31,7 @@ from dresd.corpus import output_row, save_output
 from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning
-from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters
+from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters, on_a_passing_thread
 from dresd.serve.limits import BYTES_PER_TOKEN
 
 
@@ -159,8 +159,13 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def build_app(args: argparse.Namespace, metrics=None, metrics_text=None):
     """(the FastAPI app, its engine) of one server process: the model, the datastores and
-    drafters, loaded once. `metrics`, `metrics_text`: as `create_app` takes them (a Ray Serve
-    replica reports to its deployment's /metrics)."""
+    drafters, loaded once, on a thread that ends when they are (`on_a_passing_thread` says
+    why). `metrics`, `metrics_text`: as `create_app` takes them (a Ray Serve replica reports
+    to its deployment's /metrics)."""
+    return on_a_passing_thread(_build_app, args, metrics, metrics_text)
+
+
+def _build_app(args: argparse.Namespace, metrics, metrics_text):
     from dresd.serve.app import create_app
 
     defaults = settings_from_args(args)  # also applies --threads
