@@ -24,6 +24,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -92,20 +93,8 @@ def on_a_passing_thread(function: Callable[..., T], *args, **kwargs) -> T:
     99 in-process; generating on a second thread after loading on the first made 99k context
     switches for 8 requests, against 605 on the loading thread itself. A pool ends with its
     thread."""
-    outcome: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, name="dresd-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    with ThreadPoolExecutor(1, thread_name_prefix="dresd-load") as loader:  # joined on exit
+        return loader.submit(function, *args, **kwargs).result()
 
 
 class Job:
