@@ -162,8 +162,8 @@ def test_invariant_attention_is_attention(kernel, monkeypatch):
     where not) are softmax(q k^T / sqrt(d) + mask) v with grouped heads (checked against the
     formula in float32, to bf16 rounding): with a tree mask, causally without one (the last
     rows of a longer key sequence), and for a single decode row."""
-    from dresd import cpu_attention
     from dresd.fastpath import invariant_attention
+    from dresd.kernels import attention as cpu_attention
 
     if kernel and cpu_attention.kernel() is None:
         pytest.skip("no C compiler")

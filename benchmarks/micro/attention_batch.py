@@ -17,8 +17,8 @@ from time import perf_counter
 
 import torch
 
-from dresd import cpu_attention
 from dresd.host import cpu_model
+from dresd.kernels import attention as cpu_attention
 
 HEADS, KV_HEADS, DIM, LENGTH = 9, 3, 64, 400
 RESULTS = Path(__file__).parents[1] / "results"

@@ -37,7 +37,6 @@ from time import perf_counter
 
 import torch
 
-from dresd import cpu_attention, cpu_linear
 from dresd.decoding.forward import LlamaForward, Segment, _rotate_half, _split_outputs
 from dresd.fastpath import (
     INVARIANT_MAX_ROWS,
@@ -46,6 +45,8 @@ from dresd.fastpath import (
     use_invariant_attention,
 )
 from dresd.host import cpu_flags, cpu_model
+from dresd.kernels import attention as cpu_attention
+from dresd.kernels import linear as cpu_linear
 from dresd.models import load_target
 
 RESULTS = Path(__file__).parents[1] / "results"

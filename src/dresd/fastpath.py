@@ -30,9 +30,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from dresd import cpu_attention
 from dresd.errors import UserError
 from dresd.host import native_bf16_flags
+from dresd.kernels import attention as cpu_attention
 
 # The --dtype choices; "auto" resolves with `resolve_dtype`.
 DTYPES: dict[str, torch.dtype | None] = {
@@ -142,7 +142,7 @@ def invariant_attention(
 
     How, two ways that give each row a result that depends only on its own query and the keys
     it may see, in their order:
-    1. `cpu_attention.c` (bf16 on a CPU, head size a multiple of 64; compiled on first use):
+    1. `kernels/attention.c` (bf16 on a CPU, head size a multiple of 64; compiled on first use):
        float32 sums in an order fixed by the code (its header says how each sum keeps it).
        One core, 9 heads, 400 keys, per layer: 0.07 ms for a decode step, 0.22 ms for 16 rows
        (PyTorch SDPA: 0.03 and 0.13 ms).

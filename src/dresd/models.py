@@ -21,12 +21,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dresd.cpu_linear import invariant_linears
 from dresd.device import resolve_device
 from dresd.errors import DresdError
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir, file_sha256
+from dresd.kernels.linear import invariant_linears
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -47,7 +47,7 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
-    # what runs its linear layers: "C kernel" (cpu_linear.py), "oneDNN packed" (fastpath.py)
+    # what runs its linear layers: "C kernel" (kernels/linear.py), "oneDNN packed" (fastpath.py)
     # or "plain" (transformers' own); the verify-cost curve depends on it
     linears: str = "plain"
     # what binds a datastore, saved outputs and a cached cost curve to this checkpoint
@@ -193,7 +193,7 @@ def load_target(
     model.to(device=device, dtype=dtype)
     # Batch invariance needs both: row-invariant linears and attention. Both are CPU-only: on a
     # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes
-    # dresd's own linear kernel (cpu_linear.c: any row count, half oneDNN's decode time here),
+    # dresd's own linear kernel (kernels/linear.c: any row count, half oneDNN's decode time here),
     # anything else oneDNN's packed matmul (row-invariant from two rows up, fastpath.py).
     linears = "plain"
     if prepack and invariant_linears(model):

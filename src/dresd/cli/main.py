@@ -35,12 +35,56 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dresd", description="Lossless speculative decoding by dense retrieval (DReSD)."
     )
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action=VersionAction,
+                        help="print dresd's version, the PyTorch build and the forward this "
+                             "machine runs, then exit")
     commands = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_parser(commands)
     add_debug_option(commands)
     return parser
 
+
+
+class VersionAction(argparse.Action):
+    """`dresd --version`: like argparse's "version" action, but the text is found only when
+    asked (it compiles the kernels the first time), not every time the parser is built."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:
+        print(version_text())
+        parser.exit(0)
+
+
+def version_text() -> str:
+    """dresd's version, the PyTorch build, and which forward a bf16 model runs on this machine:
+    the C decoder (dresd's kernels), or PyTorch's forward and why."""
+    import torch
+
+    from dresd import __version__
+    from dresd.host import cpu_model, native_bf16_flags
+    from dresd.kernels import decoder
+
+    cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+            if torch.cuda.is_available() else "no CUDA device")
+    flags = native_bf16_flags()
+    if decoder.kernel() is not None:
+        forward = ("C decoder (dresd/kernels/decoder.c) for bf16 Llama-shaped models; "
+                   "PyTorch's forward for the rest")
+    elif "avx512_bf16" not in flags:
+        forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels need AVX-512 bf16, "
+                   "which this CPU lacks")
+    else:
+        forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels did not compile "
+                   "(no C compiler, a failed compile, or DRESD_CPU_* = 0)")
+    return "\n".join([
+        f"dresd {__version__}",
+        f"torch {torch.__version__} ({cuda}; {torch.get_num_threads()} threads)",
+        f"cpu: {cpu_model()} (native bf16: {', '.join(flags) or 'none'})",
+        f"forward: {forward}",
+    ])
 
 
 def add_debug_option(commands: argparse._SubParsersAction) -> None:

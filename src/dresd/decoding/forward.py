@@ -15,7 +15,7 @@ the last-layer hidden states of its rows.
     final norm -> LM head on the rows whose logits are wanted
 
 On a bf16 CPU model with dresd's kernels, all of the above per layer runs in C, every layer in
-one call (`cpu_decoder.py`; a step with a prompt chunk longer than the C attention takes goes
+one call (`kernels/decoder.py`; a step with a prompt chunk longer than the C attention takes goes
 layer by layer, that chunk's attention in PyTorch). The PyTorch code below is the same forward
 for every other case (float32, GPUs, CPUs without AVX-512 bf16).
 
@@ -26,7 +26,7 @@ the whole cache at every step. Here the rows of every sequence share the matrix 
 preallocated buffer written in place.
 
 Exactness: every operation computes a row from that row alone: the same modules as
-transformers' Llama (RMSNorm, rotary embedding, the linears of `cpu_linear.py` or
+transformers' Llama (RMSNorm, rotary embedding, the linears of `kernels/linear.py` or
 `fastpath.py`, whose rows are batch-invariant; fused projections give the separate ones' bits)
 and, per segment, the same attention function the model is set to (on a CPU in bf16 the
 batch-invariant kernel). So a sequence's logits do not depend on which
@@ -46,13 +46,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from dresd import cpu_attention
-from dresd.cpu_decoder import CDecoder, SegmentRows
-from dresd.cpu_linear import InvariantLinear, fuse, share_storage
 from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.sampling import greedy_tokens, top_two
 from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
+from dresd.kernels import attention as cpu_attention
+from dresd.kernels.decoder import CDecoder, SegmentRows
+from dresd.kernels.linear import InvariantLinear, fuse, share_storage
 
 
 @dataclass
@@ -154,7 +154,7 @@ class LlamaForward:
         self.qkv_sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim,
                           self.kv_heads * self.head_dim)
         self.fused = [fuse_layer(layer) for layer in self.decoder.layers]
-        # On a bf16 CPU model with dresd's kernels, every layer in one C call (cpu_decoder.py).
+        # On a bf16 CPU model with dresd's kernels, every layer in one C call (kernels/decoder.py).
         self.c_decoder = (CDecoder.build(self.decoder, config, self.fused)
                           if self.invariant_kernel else None)
 
@@ -253,7 +253,7 @@ class LlamaForward:
         return _split_outputs(self.model, segments, bounds, hidden)
 
     def _c_forward(self, segments: list[Segment]) -> list[SegmentOutput]:
-        """The forward on `cpu_decoder.c`: the whole decoder in one C call where every segment
+        """The forward on `kernels/decoder.c`: the whole decoder in one C call where every segment
         takes the C attention (the rows of a step), else one layer at a time with the longer
         prompt chunks' attention in PyTorch, as the PyTorch path does (INVARIANT_MAX_ROWS)."""
         decoder = self.c_decoder

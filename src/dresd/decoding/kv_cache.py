@@ -2,7 +2,7 @@
 
 One buffer for keys and one for values, each [layers, kv_heads, capacity, head_dim]: a head's
 cached rows are contiguous, the layout the attention kernels read without a copy, and the C
-decoder (`cpu_decoder.c`) reaches every layer from one address. A
+decoder (`kernels/decoder.c`) reaches every layer from one address. A
 step writes its rows at [start, start + t) and the capacity grows by doubling when a step
 needs more, so appending is amortised O(rows written) instead of transformers'
 `DynamicCache`, whose `torch.cat` copies the whole cache at every step.

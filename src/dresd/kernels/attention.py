@@ -1,4 +1,4 @@
-"""Batch-invariant attention in C, for bf16 models on CPUs (the kernel: `cpu_attention.c`).
+"""Batch-invariant attention in C, for bf16 models on CPUs (the kernel: `kernels/attention.c`).
 
 Why a kernel: a tree's verify forward must give each node, bit for bit, what a one-token decode
 step gives it (`fastpath.invariant_attention` says why). PyTorch's fused attention sums in an
@@ -23,7 +23,7 @@ import torch
 
 from dresd import kernels
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("attention.c")
 # No -ffast-math: the kernel's invariance rests on the IEEE order of its sums. Fused
 # multiply-adds are allowed: every row runs the same instructions (the kernel's header).
 # -fopenmp: `attention_batch`'s threads (torch's own libgomp, already loaded, serves them).

@@ -1,4 +1,4 @@
-"""The C decoder (`cpu_decoder.c`): a whole bf16 forward in one call, batch-invariant, computing
+"""The C decoder (`kernels/decoder.c`): a whole bf16 forward in one call, batch-invariant, computing
 what the PyTorch path computes, and every method on it exactly its own plain decoding."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from drafters_for_tests import RandomTreeDrafter
 from test_batch import run_batched
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dresd import cpu_decoder
-from dresd.cpu_linear import invariant_linears
 from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment
@@ -21,6 +19,8 @@ from dresd.decoding.tree import DraftTree
 from dresd.drafters import NoDrafter, PromptLookupDrafter
 from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
 from dresd.host import cpu_flags
+from dresd.kernels import decoder as cpu_decoder
+from dresd.kernels.linear import invariant_linears
 
 VOCAB = 300
 

@@ -1,4 +1,4 @@
-/* A Llama-shaped decoder's layers in C, bf16, for CPUs with AVX-512 bf16 (dresd/cpu_decoder.py
+/* A Llama-shaped decoder's layers in C, bf16, for CPUs with AVX-512 bf16 (dresd/kernels/decoder.py
  * loads it; decoding/forward.py calls it).
  *
  * Why: at one token per sequence, a decode step of a small model is ~300 small operations
@@ -29,8 +29,8 @@
  * differ from PyTorch's in the last bit of a float32 before the rounding to bf16. Every method
  * of a process runs this same code, plain decoding included.
  */
-#include "cpu_linear.c"
-#include "cpu_attention.c"
+#include "linear.c"
+#include "attention.c"
 
 #include <math.h>
 #include <stdlib.h>

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dresd import cpu_linear
 from dresd.fastpath import PackedLinear
+from dresd.kernels import linear as cpu_linear
 
 needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None,
                                   reason="no avx512_bf16 or no C compiler: oneDNN stands in")

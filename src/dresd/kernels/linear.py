@@ -1,10 +1,10 @@
-"""A batch-invariant bf16 linear layer in C, for CPUs with AVX-512 bf16 (`cpu_linear.c`).
+"""A batch-invariant bf16 linear layer in C, for CPUs with AVX-512 bf16 (`kernels/linear.c`).
 
 Why: a bf16 decode step on a CPU is mostly linear layers streaming their weights, and the
 project's exactness rule needs every output row bit for bit independent of the rows that share
 its call. oneDNN (`fastpath.PackedLinear`) gives that only from two rows up, and streams the
 weights at about half what one core can read. This kernel sums every output in one fixed order
-(`cpu_linear.c`'s header: one vector lane per output, one `vdpbf16ps` per pair of k, in
+(`kernels/linear.c`'s header: one vector lane per output, one `vdpbf16ps` per pair of k, in
 increasing k), so any row count and any thread count give the same bits, and it reads the
 weights in a layout packed once (`pack`) that streams contiguously.
 
@@ -27,10 +27,10 @@ from dresd import kernels
 from dresd.fastpath import PackedLinear
 from dresd.host import cpu_flags
 
-SOURCE = Path(__file__).with_name("cpu_linear.c")
+SOURCE = Path(__file__).with_name("linear.c")
 # No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
-PANEL = 64  # outputs per panel of the packed layout (cpu_linear.c's PANEL)
+PANEL = 64  # outputs per panel of the packed layout (kernels/linear.c's PANEL)
 
 
 @functools.cache
@@ -152,7 +152,7 @@ def fuse(modules: list[torch.nn.Module]) -> InvariantLinear:
     """One `InvariantLinear` for projections that share an input (q, k, v; gate, up): their
     weights stacked along N. Its output columns are, bit for bit, the separate modules'
     outputs: each output's sum is one lane running the same instructions over the same k
-    (cpu_linear.c's header), wherever its weight row sits."""
+    (kernels/linear.c's header), wherever its weight row sits."""
     weights = [dense_weight(module) for module in modules]
     biases = [_bias(module) for module in modules]
     bias = None

@@ -1,4 +1,4 @@
-/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16 (dresd/cpu_linear.py loads it).
+/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16 (dresd/kernels/linear.py loads it).
  *
  *   y[m, n] = bf16( (sum_k x[m, k] W[n, k]) + bias[n] ),   sum and bias add in float32,
  *   bf16(): round to nearest, ties to even (as torch's .to(torch.bfloat16)).

@@ -1,4 +1,4 @@
-/* Batch-invariant attention for bf16 models on CPUs (dresd/cpu_attention.py loads it).
+/* Batch-invariant attention for bf16 models on CPUs (dresd/kernels/attention.py loads it).
  *
  *   out[r, h] = sum_j w[h, r, j] v[g, j] / sum_j w[h, r, j],   g = h / groups (grouped heads)
  *   w[h, r, j] = exp(s[h, r, j] - max_j s[h, r, j]),  s = (q[h, r] . k[g, j]) * scale + mask[r, j]

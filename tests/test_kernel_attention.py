@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dresd import cpu_attention, fastpath
+from dresd import fastpath
+from dresd.kernels import attention as cpu_attention
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None,
                                   reason="no C compiler: the float64 attention stands in")

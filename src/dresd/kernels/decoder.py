@@ -1,9 +1,9 @@
-"""A Llama-shaped decoder's layers in one C call per forward (the kernel: `cpu_decoder.c`).
+"""A Llama-shaped decoder's layers in one C call per forward (the kernel: `kernels/decoder.c`).
 
-Why: with the linears and attention already in C (`cpu_linear.py`, `cpu_attention.py`), what
+Why: with the linears and attention already in C (`kernels/linear.py`, `kernels/attention.py`), what
 was left of a bf16 decode step in PyTorch was ~300 small operations (norms, rotary embedding,
 residual adds, cache writes, the SiLU gate) and the Python around them: about a third of the
-step. `cpu_decoder.c` runs a whole forward, every layer, in one call; its header says what it
+step. `kernels/decoder.c` runs a whole forward, every layer, in one call; its header says what it
 computes and how it rounds.
 
 Where it runs: bf16 Llama-shaped models (`decoding/forward.LlamaForward`) whose q/k/v and
@@ -23,10 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from dresd import cpu_attention, cpu_linear, kernels
-from dresd.cpu_linear import InvariantLinear
+from dresd import kernels
+from dresd.kernels import attention as cpu_attention
+from dresd.kernels import linear as cpu_linear
+from dresd.kernels.linear import InvariantLinear
 
-SOURCE = Path(__file__).with_name("cpu_decoder.c")
+SOURCE = Path(__file__).with_name("decoder.c")
 FLAGS = cpu_attention.FLAGS  # the attention kernel's: this file compiles it in
 
 _pointer, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -34,7 +36,7 @@ _pointers = ctypes.POINTER(ctypes.c_void_p)
 
 
 class DecoderStruct(ctypes.Structure):
-    """cpu_decoder.c's `Decoder`: the sizes and the weights' addresses."""
+    """kernels/decoder.c's `Decoder`: the sizes and the weights' addresses."""
 
     _fields_ = [("layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32),
                 ("head_dim", _i32), ("intermediate", _i32), ("eps", ctypes.c_float),
@@ -44,7 +46,7 @@ class DecoderStruct(ctypes.Structure):
 
 
 class SegmentsStruct(ctypes.Structure):
-    """cpu_decoder.c's `Segments`: the sequences of one forward."""
+    """kernels/decoder.c's `Segments`: the sequences of one forward."""
 
     _fields_ = [("count", _i32), ("first", ctypes.POINTER(_i32)), ("rows", ctypes.POINTER(_i32)),
                 ("start", ctypes.POINTER(_i32)), ("keys", _pointers), ("values", _pointers),
@@ -94,7 +96,7 @@ def _addresses(tensors: list[torch.Tensor | None]) -> ctypes.Array:
 
 
 class CDecoder:
-    """A model's decoder layers as `cpu_decoder.c` reads them; `fused[i]` is layer i's
+    """A model's decoder layers as `kernels/decoder.c` reads them; `fused[i]` is layer i's
     `forward.FusedProjections`. Holds the addresses of the model's own weights (no copy)."""
 
     @staticmethod
@@ -147,7 +149,8 @@ class CDecoder:
         self.library = kernel()
 
     def segments(self, parts: list[SegmentRows]) -> SegmentsStruct:
-        """The struct cpu_decoder.c reads for these segments (it points into arrays it holds)."""
+        """The struct kernels/decoder.c reads for these segments (it points into arrays it
+        holds)."""
         count = len(parts)
         ints = [(ctypes.c_int * count)(*values) for values in
                 ([p.first for p in parts], [p.rows for p in parts], [p.start for p in parts])]

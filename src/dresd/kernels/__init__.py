@@ -1,4 +1,4 @@
-"""Compiling and loading dresd's C kernels (`cpu_attention.c`, `cpu_linear.c`), shared by both.
+"""Compiling and loading dresd's C kernels (`attention.c`, `linear.c`, `decoder.c`), shared by all.
 
 A kernel is compiled once per machine with the system C compiler (`cc`, or `$CC`) into the
 cache (`$DRESD_CACHE/kernels/`), keyed by its source, the compiler flags, the compiler and the
