@@ -1,0 +1,249 @@
+/* Batch-invariant linear layer on GGUF-quantized weights, for CPUs with AVX-512 VNNI
+ * (dresd/kernels/quant.py repacks the weights and loads it).
+ *
+ *   y[m, n] = sum over blocks b of 32 k:  dx[m, b] * (d[n, b] * dot[m, n, b] + c[n, b] * sx[m, b])
+ *
+ * where, as llama.cpp does for these types, each row of x is quantized on the fly to 8-bit
+ * blocks of 32 (x[m, k] ~ dx[m, b] * xq[m, k], dx = max|x| / 127 in the block, xq = round(x /
+ * dx), sx = sum of the block's xq), and a weight is w[n, k] = d[n, b] * q[n, k] + c[n, b]:
+ *   - a type with an offset (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q as stored + 128): c = -offset d;
+ *   - a type with a minimum (Q4_1, Q5_1, and the K-quants' sub-blocks): c = m.
+ * q is stored unsigned (0..15 in nibbles, or 0..255 in bytes), so one `vpdpbusd` multiplies
+ * four weights by four activations and adds them exactly into a 32-bit integer:
+ *   dot[m, n, b] = sum_k q[n, k] xq[m, k]      (exact: |dot| < 2^24)
+ *
+ * The promise, as cpu_linear.c's: y[m, n] depends only on row m of x and on W; not on how many
+ * rows came with it, which rows they were, nor on the thread count. Row m's quantization reads
+ * row m alone. For each (m, n) the float operations are always these, in this order:
+ *   acc = +0.0f
+ *   for b = 0, 1, ..., blocks - 1:
+ *       term = fma(c[n, b], float(sx[m, b]), d[n, b] * float(dot[m, n, b]))
+ *       acc  = fma(term, dx[m, b], acc)
+ *   y[m, n] = acc + bias[n]   (then bf16, to nearest, ties to even, or float32 as it is)
+ * Vector lanes run over outputs n (16 per register); rows m and outputs n are independent, so
+ * how the work is tiled or threaded never changes an output's operations.
+ *
+ * The weight layout (repacked once by quant.py so that a panel streams contiguously): panels
+ * of 16 outputs (N padded with zero rows); per panel, per block b, in this order:
+ *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
+ *                    high nibble q[n][32b + 8r + 4 + j];
+ *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
+ *   d       16 scales (float16 or float32, as the type keeps them);
+ *   c       16 minimums in the scales' precision (types with a minimum only).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QLANES 16      /* outputs per panel: one register's float32 lanes */
+#define QPARTS 2       /* panels computed together, for independent accumulators */
+#define QMAX_TILE 4    /* rows sharing each weight load */
+#define QBLOCK 32      /* k per block */
+
+/* How a layout stores one block: its quants' width, its scales' precision, whether it keeps
+ * a minimum (else c = -offset d). */
+typedef struct {
+    int nibbles;     /* 1: 4-bit quants (16 bytes a row a block), 0: bytes (32) */
+    int half;        /* 1: float16 scales, 0: float32 */
+    int has_min;     /* 1: c stored; 0: c = -offset d */
+    int offset;
+} QLayout;
+
+static inline int64_t quant_bytes(QLayout l) { return l.nibbles ? 256 : 512; }
+static inline int64_t scale_bytes(QLayout l) { return (l.half ? 32 : 64) * (l.has_min ? 2 : 1); }
+static inline int64_t block_bytes(QLayout l) { return quant_bytes(l) + scale_bytes(l); }
+
+/* bf16 -> float32 for 16 values. */
+static inline __m512 q_load_bf16(const uint16_t *from) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16));
+}
+
+/* float32 -> bf16 for 16 values, to nearest, ties to even; NaN stays a quiet NaN. */
+static inline __m256i q_round_bf16(__m512 value) {
+    __m512i bits = _mm512_castps_si512(value);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* One row of bf16 x (k a multiple of 32) as 8-bit blocks: xq [k], dx [k / 32], sx [k / 32].
+ * dx = amax / 127 and xq = round-to-nearest-even(x * (127 / amax)), as llama.cpp's Q8 rows;
+ * an all-zero block has dx = 0 and xq = 0. */
+static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, int32_t *sx) {
+    for (int b = 0; b < k / QBLOCK; b++) {
+        __m512 low = q_load_bf16(x + b * QBLOCK), high = q_load_bf16(x + b * QBLOCK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low),
+                                                        _mm512_abs_ps(high)));
+        float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512 by = _mm512_set1_ps(inverse);
+        __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(low, by));   /* to nearest, even */
+        __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(high, by));
+        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK), _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(qh));
+        dx[b] = scale;
+        sx[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    }
+}
+
+static inline __m512 load_scales(const uint8_t *from, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)from))
+                : _mm512_loadu_ps((const float *)from);
+}
+
+/* Rows [0, TILE) of QPARTS panels starting at `panel` (stride panel_stride bytes). */
+static inline __attribute__((always_inline)) void qtile(
+        const int TILE, const QLayout l, const int8_t *xq, const float *dx, const int32_t *sx,
+        int k, const uint8_t *panel, int64_t panel_stride, int parts, const float *bias,
+        void *y, int64_t y_stride, int outputs, int out_bf16) {
+    const int blocks = k / QBLOCK;
+    const int64_t stride = block_bytes(l);
+    __m512 acc[QMAX_TILE][QPARTS];
+    for (int i = 0; i < TILE; i++)
+        for (int p = 0; p < QPARTS; p++) acc[i][p] = _mm512_setzero_ps();
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+    for (int b = 0; b < blocks; b++) {
+        __m512i w[QPARTS][8];
+        __m512 d[QPARTS], c[QPARTS];
+        for (int p = 0; p < parts; p++) {
+            const uint8_t *block = panel + p * panel_stride + b * stride;
+            if (l.nibbles) {
+                for (int r = 0; r < 4; r++) {
+                    __m512i packed = _mm512_loadu_si512(block + 64 * r);
+                    w[p][2 * r] = _mm512_and_si512(packed, low_nibbles);
+                    w[p][2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+                }
+            } else {
+                for (int r = 0; r < 8; r++) w[p][r] = _mm512_loadu_si512(block + 64 * r);
+            }
+            const uint8_t *scales = block + quant_bytes(l);
+            d[p] = load_scales(scales, l.half);
+            c[p] = l.has_min ? load_scales(scales + (l.half ? 32 : 64), l.half)
+                             : _mm512_mul_ps(d[p], _mm512_set1_ps((float)-l.offset));
+        }
+        for (int i = 0; i < TILE; i++) {
+            /* w[p][r] holds k = 4r .. 4r + 3 of the block, whether it came from bytes or
+             * from the low (r even) or high (r odd) nibbles of a packed register */
+            const int32_t *x4 = (const int32_t *)(xq + (int64_t)i * k + b * QBLOCK);
+            __m512i xs[8];
+            for (int r = 0; r < 8; r++) xs[r] = _mm512_set1_epi32(x4[r]);
+            __m512 sxf = _mm512_set1_ps((float)sx[(int64_t)i * blocks + b]);
+            __m512 dxf = _mm512_set1_ps(dx[(int64_t)i * blocks + b]);
+            for (int p = 0; p < parts; p++) {
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                for (int r = 0; r < 8; r += 2) {
+                    even = _mm512_dpbusd_epi32(even, w[p][r], xs[r]);
+                    odd = _mm512_dpbusd_epi32(odd, w[p][r + 1], xs[r + 1]);
+                }
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+                __m512 term = _mm512_fmadd_ps(c[p], sxf, _mm512_mul_ps(d[p], dot));
+                acc[i][p] = _mm512_fmadd_ps(term, dxf, acc[i][p]);
+            }
+        }
+    }
+    for (int i = 0; i < TILE; i++)
+        for (int p = 0; p < parts; p++) {
+            int first = p * QLANES;
+            if (first >= outputs) break;
+            __m512 value = acc[i][p];
+            __mmask16 keep = outputs - first >= QLANES ? (__mmask16)0xffff
+                                                       : (__mmask16)((1u << (outputs - first)) - 1);
+            if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
+            if (out_bf16) {
+                uint16_t *to = (uint16_t *)y + i * y_stride + first;
+                _mm256_mask_storeu_epi16(to, keep, q_round_bf16(value));
+            } else {
+                float *to = (float *)y + i * y_stride + first;
+                _mm512_mask_storeu_ps(to, keep, value);
+            }
+        }
+}
+
+/* The layouts quant.py writes, by number (the same table there). */
+static const QLayout LAYOUTS[] = {
+    {1, 1, 0, 8},    /* 0: Q4_0  nibbles, float16 d, q - 8 */
+    {1, 1, 1, 0},    /* 1: Q4_1  nibbles, float16 d and m */
+    {0, 1, 0, 128},  /* 2: Q8_0  bytes (q + 128), float16 d */
+    {0, 1, 0, 16},   /* 3: Q5_0  bytes (0..31), float16 d, q - 16 */
+    {0, 1, 1, 0},    /* 4: Q5_1  bytes, float16 d and m */
+    {1, 0, 1, 0},    /* 5: Q4_K  nibbles, float32 d and m per 32 */
+    {0, 0, 1, 0},    /* 6: Q5_K, Q6_K  bytes, float32 d and m per 32 */
+};
+
+#define QTILE_CASES(L) \
+    switch (count) { \
+        case 4: qtile(4, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
+        case 3: qtile(3, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
+        case 2: qtile(2, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
+        default: qtile(1, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
+    }
+
+/* One tile, with the layout and the row count constants of its own copy of qtile. */
+static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
+                      const int32_t *sx, int k, const uint8_t *panel, int64_t panel_stride,
+                      int parts, const float *bias, void *y, int64_t y_stride, int outputs,
+                      int out_bf16) {
+    switch (layout) {
+        case 0: QTILE_CASES(LAYOUTS[0]) break;
+        case 1: QTILE_CASES(LAYOUTS[1]) break;
+        case 2: QTILE_CASES(LAYOUTS[2]) break;
+        case 3: QTILE_CASES(LAYOUTS[3]) break;
+        case 4: QTILE_CASES(LAYOUTS[4]) break;
+        case 5: QTILE_CASES(LAYOUTS[5]) break;
+        default: QTILE_CASES(LAYOUTS[6]) break;
+    }
+}
+
+/* Bytes of one panel of `layout` over k inputs. */
+int64_t dresd_quant_panel_bytes(int layout, int k) {
+    return (int64_t)(k / QBLOCK) * block_bytes(LAYOUTS[layout]);
+}
+
+/* y = x W^T (+ bias): x rows x k bf16 (row stride x_stride elements; k a multiple of 32);
+ * packed: the header's layout, ceil(n / 16) panels; bias: float32 [n] or NULL; y: rows x n,
+ * bf16 (out_bf16 = 1) or float32, row stride y_stride. Returns 0, or -1 where memory for the
+ * quantized rows could not be had. */
+int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows, int k,
+                       const uint8_t *packed, int n, const float *bias, void *y,
+                       int64_t y_stride, int out_bf16, int threads) {
+    const int blocks = k / QBLOCK;
+    int8_t *xq = malloc((size_t)rows * k + 64);
+    float *dx = malloc(sizeof(float) * (size_t)rows * blocks);
+    int32_t *sx = malloc(sizeof(int32_t) * (size_t)rows * blocks);
+    if (!xq || !dx || !sx) {
+        free(xq); free(dx); free(sx);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 8)
+    for (int m = 0; m < rows; m++)
+        quantize_row(x + m * x_stride, k, xq + (int64_t)m * k, dx + (int64_t)m * blocks,
+                     sx + (int64_t)m * blocks);
+
+    const int64_t panel_stride = dresd_quant_panel_bytes(layout, k);
+    const int panels = (n + QLANES - 1) / QLANES;
+    const int groups = (panels + QPARTS - 1) / QPARTS;
+    const int tiles = (rows + QMAX_TILE - 1) / QMAX_TILE;
+    const int items = groups * tiles;
+    if (threads > items) threads = items;
+    /* Work item = (group of QPARTS panels, row tile), group-major, as cpu_linear.c's. */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int item = 0; item < items; item++) {
+        int group = item / tiles, first = item % tiles * QMAX_TILE;
+        int count = rows - first < QMAX_TILE ? rows - first : QMAX_TILE;
+        int panel0 = group * QPARTS;
+        int parts = panels - panel0 < QPARTS ? panels - panel0 : QPARTS;
+        int outputs = n - panel0 * QLANES;
+        if (outputs > QPARTS * QLANES) outputs = QPARTS * QLANES;
+        size_t element = out_bf16 ? 2 : 4;
+        qtile_any(layout, count, xq + (int64_t)first * k, dx + (int64_t)first * blocks,
+                  sx + (int64_t)first * blocks, k, packed + panel0 * panel_stride,
+                  panel_stride, parts, bias ? bias + panel0 * QLANES : NULL,
+                  (char *)y + ((int64_t)first * y_stride + panel0 * QLANES) * element,
+                  y_stride, outputs, out_bf16);
+    }
+    free(xq); free(dx); free(sx);
+    return 0;
+}

@@ -1,0 +1,232 @@
+"""Linear layers on GGUF-quantized weights, batch-invariant, in C (the kernel: `quant.c`).
+
+A GGUF file keeps a weight as blocks of 32 (or 256) numbers: small integers and a scale per
+block. `unpack` reads a tensor's blocks into the form every supported type shares,
+
+    w[n, k] = d[n, b] * q[n, k] + c[n, b]        (b = k // 32, q unsigned)
+
+and `pack` lays that out once for the kernel (`quant.c`'s header), panel by panel. The weights
+stay quantized: a Q4_1 layer keeps its 20 bytes per 32 weights, a Q8_0 layer its 34.
+
+`quant.c` multiplies by quantizing each row of activations to 8 bits per block of 32 (as
+llama.cpp does) and summing in a fixed order, so a row's output never depends on the rows
+beside it: every exactness rule of the bf16 kernels holds for a quantized model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from dresd import kernels
+from dresd.errors import DresdError
+from dresd.host import cpu_flags
+
+SOURCE = Path(__file__).with_name("quant.c")
+FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
+LANES = 16  # outputs per panel (quant.c's QLANES)
+BLOCK = 32  # k per block (quant.c's QBLOCK)
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How `quant.c` stores one type's blocks (its LAYOUTS table, by `number`)."""
+
+    number: int
+    nibbles: bool  # 4-bit quants, else bytes
+    half: bool  # float16 scales, else float32
+    has_min: bool  # c stored, else c = -offset * d
+    offset: int = 0
+
+    def block_bytes(self) -> int:
+        scales = (32 if self.half else 64) * (2 if self.has_min else 1)
+        return (256 if self.nibbles else 512) + scales
+
+
+# The weight types that run natively, and the layout each is packed in.
+LAYOUTS: dict[Q, Layout] = {
+    Q.Q4_0: Layout(0, nibbles=True, half=True, has_min=False, offset=8),
+    Q.Q4_1: Layout(1, nibbles=True, half=True, has_min=True),
+    Q.Q8_0: Layout(2, nibbles=False, half=True, has_min=False, offset=128),
+    Q.Q5_0: Layout(3, nibbles=False, half=True, has_min=False, offset=16),
+    Q.Q5_1: Layout(4, nibbles=False, half=True, has_min=True),
+    Q.Q4_K: Layout(5, nibbles=True, half=False, has_min=True),
+    Q.Q5_K: Layout(6, nibbles=False, half=False, has_min=True),
+}
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (compiled on first use, then cached), or None where it cannot be
+    (no AVX-512 VNNI, no compiler, or DRESD_CPU_QUANT=0)."""
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
+        return None
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_QUANT", "no quantized linears")
+    if library is None:
+        return None
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.dresd_quant_linear.argtypes = [i32, pointer, i64, i32, i32, pointer, i32, pointer,
+                                           pointer, i64, i32, i32]
+    library.dresd_quant_linear.restype = i32
+    library.dresd_quant_panel_bytes.argtypes = [i32, i32]
+    library.dresd_quant_panel_bytes.restype = i64
+    return library
+
+
+# --- reading GGUF blocks -------------------------------------------------------------------
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from [..., 2] bytes."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] quants: the low nibbles are k 0..15, the high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] bits, bit j for k = j."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit minimums, one per 32."""
+    s = scales.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A tensor's raw blocks (uint8 [n, bytes per row]) -> (q uint8 [n, k], d [n, k / 32],
+    c [n, k / 32] or None), with w = d * q + c (c None: c = -offset * d, the layout's offset).
+    d and c are float16 where the file keeps them so, else float32 (K-quants: d * scale)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(n, k // block, size)
+    if qtype == Q.Q4_0:
+        return _nibbles(blocks[..., 2:]).reshape(n, k), _half(blocks[..., 0:2]), None
+    if qtype == Q.Q4_1:
+        q = _nibbles(blocks[..., 4:]).reshape(n, k)
+        return q, _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    if qtype == Q.Q8_0:
+        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q.reshape(n, k), _half(blocks[..., 0:2]), None
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        first = 2 if qtype == Q.Q5_0 else 4
+        q = _nibbles(blocks[..., first + 4:]) | (_high_bits(blocks[..., first:first + 4]) << 4)
+        c = None if qtype == Q.Q5_0 else _half(blocks[..., 2:4])
+        return q.reshape(n, k), _half(blocks[..., 0:2]), c
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        d = _half(blocks[..., 0:2]).astype(np.float32)  # [n, blocks of 256]
+        dmin = _half(blocks[..., 2:4]).astype(np.float32)
+        sc, mn = _k_scales(blocks[..., 4:16])  # [n, blocks, 8]
+        if qtype == Q.Q4_K:
+            qs = blocks[..., 16:144].reshape(n, k // 256, 4, 32)  # 4 pairs of sub-blocks
+            q = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
+        else:
+            qh = np.unpackbits(blocks[..., 16:48], axis=-1, bitorder="little")
+            qh = qh.reshape(n, k // 256, 32, 8).transpose(0, 1, 3, 2)  # bit j of byte i: sub j
+            qs = blocks[..., 48:176].reshape(n, k // 256, 4, 32)
+            low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
+            q = low | (qh << 4)
+        q = q.reshape(n, k)
+        scale = (d[..., None] * sc).reshape(n, k // BLOCK)  # exact: float16 x 6-bit integer
+        minimum = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
+        return q.astype(np.uint8), scale.astype(np.float32), minimum.astype(np.float32)
+    raise DresdError(f"no native kernel for {qtype.name} weights")
+
+
+def dequantize(qtype: Q, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """float32 [n, k] from the unpacked form (what the kernel multiplies by)."""
+    q, d, c = unpack(qtype, raw, n, k)
+    d32 = np.repeat(d.astype(np.float32), BLOCK, axis=1)
+    if c is None:
+        return d32 * (q.astype(np.float32) - LAYOUTS[qtype].offset)
+    return d32 * q.astype(np.float32) + np.repeat(c.astype(np.float32), BLOCK, axis=1)
+
+
+def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """uint8 tensor in `quant.c`'s layout: ceil(n / 16) panels of k / 32 blocks."""
+    layout = LAYOUTS[qtype]
+    q, d, c = unpack(qtype, raw, n, k)
+    panels, blocks = -(-n // LANES), k // BLOCK
+    padded = panels * LANES
+    if padded != n:  # zero rows: zero quants and scales, outputs the kernel drops
+        q = np.concatenate([q, np.zeros((padded - n, k), q.dtype)])
+        d = np.concatenate([d, np.zeros((padded - n, blocks), d.dtype)])
+        c = None if c is None else np.concatenate([c, np.zeros((padded - n, blocks), c.dtype)])
+    # q [panel, lane, block, 32] -> [panel, block, register, lane, 4 bytes]
+    q = q.reshape(panels, LANES, blocks, BLOCK)
+    if layout.nibbles:  # register r: low nibbles k = 8r + j, high nibbles 8r + 4 + j
+        q = q.reshape(panels, LANES, blocks, 4, 2, 4)
+        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [panel, lane, block, r, j]
+        quants = q.transpose(0, 2, 3, 1, 4).reshape(panels, blocks, 256)
+    else:
+        quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+        quants = quants.reshape(panels, blocks, 512)
+    scale_type = np.float16 if layout.half else np.float32
+    parts = [quants, d.astype(scale_type).reshape(panels, LANES, blocks)
+             .transpose(0, 2, 1).copy().view(np.uint8)]
+    if layout.has_min:
+        parts.append(c.astype(scale_type).reshape(panels, LANES, blocks)
+                     .transpose(0, 2, 1).copy().view(np.uint8))
+    packed = np.concatenate(parts, axis=2)
+    assert packed.shape[2] == layout.block_bytes()
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
+
+
+def linear(x: torch.Tensor, qtype: Q, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+           ) -> torch.Tensor:
+    """x [..., k] bf16 -> [..., out_features] in out_dtype (bf16 or float32)."""
+    library = kernel()
+    shape = x.shape
+    rows_x = x.reshape(-1, shape[-1])
+    if rows_x.dtype != torch.bfloat16 or rows_x.stride(-1) != 1:
+        rows_x = rows_x.to(torch.bfloat16).contiguous()
+    rows, k = rows_x.shape
+    y = torch.empty(rows, out_features, dtype=out_dtype)
+    status = library.dresd_quant_linear(
+        LAYOUTS[qtype].number, rows_x.data_ptr(), rows_x.stride(0), rows, k, packed.data_ptr(),
+        out_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+        1 if out_dtype == torch.bfloat16 else 0, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("quant.c: no memory for the quantized activations")
+    return y.reshape(*shape[:-1], out_features)
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer on a GGUF tensor's blocks, packed once (no float copy of the weight)."""
+
+    def __init__(self, qtype: Q, raw: np.ndarray, out_features: int, in_features: int,
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+                 ) -> None:
+        super().__init__()
+        if in_features % BLOCK:
+            raise DresdError(f"{qtype.name} rows of {in_features} inputs: not whole blocks")
+        self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
+        self.out_dtype = out_dtype
+        self.register_buffer("packed", pack(qtype, raw, out_features, in_features),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.qtype, self.packed, self.out_features, self.bias, self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype.name}, in={self.in_features}, out={self.out_features}"
