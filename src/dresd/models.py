@@ -25,6 +25,7 @@ from dresd.device import resolve_device
 from dresd.errors import DresdError
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 from dresd.fingerprint import model_fingerprint
+from dresd.gguf_model import is_gguf, load_gguf
 from dresd.host import cache_dir, file_sha256
 from dresd.kernels.linear import invariant_linears
 
@@ -172,6 +173,8 @@ def load_target(
     that a datastore serves the same checkpoint in any dtype.
     """
     device = resolve_device(device)
+    if is_gguf(name):
+        return _load_gguf_target(name, dtype, device)
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name)
     # "org/name" is a Hub id; an absolute, relative or home path is a folder.
@@ -202,6 +205,21 @@ def load_target(
         linears = "oneDNN packed"
     if linears != "plain":
         use_invariant_attention(model)
+    settle_heap()
+    return Target(model=model, tokenizer=tokenizer, name=name, linears=linears,
+                  fingerprint=fingerprint)
+
+
+def _load_gguf_target(name: str, dtype: str | torch.dtype, device: torch.device) -> Target:
+    """A GGUF file, its weights run as the file holds them (`gguf_model.py`): on the CPU, with
+    bf16 activations between the quantized linears."""
+    if device.type != "cpu":
+        raise ModelError(f"A GGUF model runs on the CPU (asked for {device}).")
+    if dtype not in ("auto", "bfloat16", torch.bfloat16):
+        raise ModelError(f"A GGUF model runs its own weights with bfloat16 activations; "
+                         f"--dtype {dtype} does not apply (leave it at auto).")
+    model, tokenizer, fingerprint, linears = load_gguf(Path(name).expanduser())
+    use_invariant_attention(model)
     settle_heap()
     return Target(model=model, tokenizer=tokenizer, name=name, linears=linears,
                   fingerprint=fingerprint)

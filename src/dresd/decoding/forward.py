@@ -51,8 +51,10 @@ from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.sampling import greedy_tokens, top_two
 from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
 from dresd.kernels import attention as cpu_attention
+from dresd.kernels import quant
 from dresd.kernels.decoder import CDecoder, SegmentRows
 from dresd.kernels.linear import InvariantLinear, fuse, share_storage
+from dresd.kernels.quant import QuantLinear
 
 
 @dataclass
@@ -326,6 +328,8 @@ def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
 
 
 def _fuse(parts: tuple[list, list]) -> FusedProjections | None:
+    if all(isinstance(module, QuantLinear) for group in parts for module in group):
+        return FusedProjections(*(quant.fuse(group) for group in parts))  # a GGUF file's
     if not all(isinstance(module, InvariantLinear) for group in parts for module in group):
         return None
     qkv, gate_up = (fuse(group) for group in parts)

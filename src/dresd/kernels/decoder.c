@@ -7,7 +7,8 @@
  * layer, for all rows of all sequences at once,
  *
  *   normed  = rms_norm(hidden) * w_in
- *   q, k, v = normed [Wq | Wk | Wv]^T (+ bias)          one linear (cpu_linear.c)
+ *   q, k, v = normed [Wq | Wk | Wv]^T (+ bias)          one linear (linear.c, or quant.c
+ *                                                        on a GGUF file's quantized blocks)
  *   q, k    = rotary(q), rotary(k);  k, v -> each sequence's cache, rows start .. start + t - 1
  *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant)
  *   hidden  = hidden + mixed Wo^T
@@ -31,9 +32,19 @@
  */
 #include "linear.c"
 #include "attention.c"
+#include "quant.c"
 
 #include <math.h>
 #include <stdlib.h>
+
+/* A projection's weight: one part (bf16 packed for linear.c, or one quant.c layout), or up to
+ * three parts side by side along the outputs (a GGUF file's q, k and v of different types). */
+typedef struct {
+    int count;
+    int layout[3];        /* -1: bf16 packed (linear.c); else quant.c's LAYOUTS number */
+    int n[3];             /* outputs of each part */
+    const void *data[3];
+} Weight;
 
 typedef struct {
     int layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -42,11 +53,11 @@ typedef struct {
     const uint16_t *const *input_norm;   /* [layers] -> bf16 [hidden] */
     const uint16_t *const *post_norm;    /* [layers] -> bf16 [hidden] */
     const uint16_t *final_norm;          /* bf16 [hidden] */
-    const uint16_t *const *qkv;          /* [layers] -> cpu_linear's packed [q | k | v] */
+    const Weight *qkv;                   /* [layers]: [q | k | v] */
     const float *const *qkv_bias;        /* [layers] -> float32 bias, or NULL (none) */
-    const uint16_t *const *o;            /* [layers] -> packed */
-    const uint16_t *const *gate_up;      /* [layers] -> packed [gate | up] */
-    const uint16_t *const *down;         /* [layers] -> packed */
+    const Weight *o;                     /* [layers] */
+    const Weight *gate_up;               /* [layers]: [gate | up] */
+    const Weight *down;                  /* [layers] */
 } Decoder;
 
 /* The sequences of one forward. Segment s owns rows first[s] .. first[s] + rows[s] - 1; its
@@ -134,10 +145,23 @@ static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m
  * than the loop. */
 #define ROWS_IN_PARALLEL(rows, threads) ((threads) > 1 && (rows) >= 8)
 
-/* y = x W^T (+ bias) for contiguous rows: x rows x k, y rows x n (cpu_linear.c). */
-static void project(const uint16_t *x, int rows, int k, const uint16_t *packed,
-                    const float *bias, int n, uint16_t *y, int threads) {
-    dresd_linear(x, k, rows, packed, (k + 1) / 2, n, bias, y, n, threads);
+/* y = x W^T (+ bias) for contiguous rows: x rows x k, y rows x n, each part of the weight
+ * into its own columns (linear.c or quant.c). Returns 0, -1 out of memory. */
+static int project(const uint16_t *x, int rows, int k, const Weight *w, const float *bias,
+                   int n, uint16_t *y, int threads) {
+    int offset = 0;
+    for (int p = 0; p < w->count; p++) {
+        const float *part_bias = bias ? bias + offset : NULL;
+        if (w->layout[p] < 0) {
+            dresd_linear(x, k, rows, w->data[p], (k + 1) / 2, w->n[p], part_bias, y + offset,
+                         n, threads);
+        } else if (dresd_quant_linear(w->layout[p], x, k, rows, k, w->data[p], w->n[p],
+                                      part_bias, y + offset, n, 1, threads) != 0) {
+            return -1;
+        }
+        offset += w->n[p];
+    }
+    return 0;
 }
 
 /* Layer `layer` up to attention: the norm, q/k/v, rotary embedding, and each segment's keys
@@ -152,8 +176,10 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         rms_norm(hidden + (int64_t)r * d, m->input_norm[layer], d, m->eps, normed + (int64_t)r * d);
-    project(normed, rows, d, m->qkv[layer], m->qkv_bias[layer], width, qkv, threads);
+    int status = project(normed, rows, d, &m->qkv[layer], m->qkv_bias[layer], width, qkv,
+                         threads);
     free(normed);
+    if (status != 0) return status;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < m->heads + m->kv_heads; h++) /* q heads, then k heads */
@@ -185,18 +211,28 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
     if (!scratch) return -1;
     uint16_t *projected = scratch, *normed = projected + (size_t)rows * d;
     uint16_t *gate_up = normed + (size_t)rows * d, *act = gate_up + (size_t)rows * 2 * inter;
-    project(mixed, rows, m->heads * m->head_dim, m->o[layer], NULL, d, projected, threads);
+    if (project(mixed, rows, m->heads * m->head_dim, &m->o[layer], NULL, d, projected,
+                threads) != 0) {
+        free(scratch);
+        return -1;
+    }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++) {
         add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
         rms_norm(hidden + (int64_t)r * d, m->post_norm[layer], d, m->eps, normed + (int64_t)r * d);
     }
-    project(normed, rows, d, m->gate_up[layer], NULL, 2 * inter, gate_up, threads);
+    if (project(normed, rows, d, &m->gate_up[layer], NULL, 2 * inter, gate_up, threads) != 0) {
+        free(scratch);
+        return -1;
+    }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         silu_times(gate_up + (int64_t)r * 2 * inter, gate_up + (int64_t)r * 2 * inter + inter,
                    inter, act + (int64_t)r * inter);
-    project(act, rows, inter, m->down[layer], NULL, d, projected, threads);
+    if (project(act, rows, inter, &m->down[layer], NULL, d, projected, threads) != 0) {
+        free(scratch);
+        return -1;
+    }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);

@@ -26,7 +26,9 @@ import torch
 from dresd import kernels
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import linear as cpu_linear
+from dresd.kernels import quant
 from dresd.kernels.linear import InvariantLinear
+from dresd.kernels.quant import QuantLinear, QuantParts
 
 SOURCE = Path(__file__).with_name("decoder.c")
 FLAGS = cpu_attention.FLAGS  # the attention kernel's: this file compiles it in
@@ -35,14 +37,43 @@ _pointer, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _pointers = ctypes.POINTER(ctypes.c_void_p)
 
 
+class WeightStruct(ctypes.Structure):
+    """decoder.c's `Weight`: a projection's parts, each bf16 packed or one quant.c layout."""
+
+    _fields_ = [("count", _i32), ("layout", _i32 * 3), ("n", _i32 * 3),
+                ("data", _pointer * 3)]
+
+
+def weight_struct(module: torch.nn.Module) -> WeightStruct:
+    """The `Weight` of an `InvariantLinear`, a `QuantLinear` or a `QuantParts`."""
+    parts = module.parts if isinstance(module, QuantParts) else [module]
+    struct = WeightStruct(len(parts))
+    for index, part in enumerate(parts):
+        if isinstance(part, InvariantLinear):
+            struct.layout[index], struct.data[index] = -1, part.packed_weight.data_ptr()
+        else:
+            struct.layout[index] = quant.LAYOUTS[part.qtype].number
+            struct.data[index] = part.packed.data_ptr()
+        struct.n[index] = part.out_features
+    return struct
+
+
+def _weights(modules: list[torch.nn.Module]) -> ctypes.Array:
+    return (WeightStruct * len(modules))(*[weight_struct(module) for module in modules])
+
+
+PROJECTIONS = (InvariantLinear, QuantLinear, QuantParts)  # what the C decoder multiplies by
+
+
 class DecoderStruct(ctypes.Structure):
     """kernels/decoder.c's `Decoder`: the sizes and the weights' addresses."""
 
     _fields_ = [("layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32),
                 ("head_dim", _i32), ("intermediate", _i32), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("input_norm", _pointers), ("post_norm", _pointers),
-                ("final_norm", _pointer), ("qkv", _pointers), ("qkv_bias", _pointers),
-                ("o", _pointers), ("gate_up", _pointers), ("down", _pointers)]
+                ("final_norm", _pointer), ("qkv", ctypes.POINTER(WeightStruct)),
+                ("qkv_bias", _pointers), ("o", ctypes.POINTER(WeightStruct)),
+                ("gate_up", ctypes.POINTER(WeightStruct)), ("down", ctypes.POINTER(WeightStruct))]
 
 
 class SegmentsStruct(ctypes.Structure):
@@ -71,7 +102,7 @@ def kernel() -> ctypes.CDLL | None:
     if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
-                           includes=(cpu_linear.SOURCE, cpu_attention.SOURCE))
+                           includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE))
     if library is None:
         return None
     decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)
@@ -112,7 +143,7 @@ class CDecoder:
             return None
         for layer, parts in zip(layers, fused, strict=True):
             modules = (layer.self_attn.o_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, InvariantLinear) and m.bias is None for m in modules):
+            if not all(isinstance(m, PROJECTIONS) and m.bias is None for m in modules):
                 return None
             if parts.gate_up.bias is not None:
                 return None
@@ -133,18 +164,19 @@ class CDecoder:
         self._arrays = [  # kept alive: the struct points into them
             _addresses([layer.input_layernorm.weight for layer in layers]),
             _addresses([layer.post_attention_layernorm.weight for layer in layers]),
-            _addresses([parts.qkv.packed_weight for parts in fused]),
             _addresses([parts.qkv.bias for parts in fused]),
-            _addresses([layer.self_attn.o_proj.packed_weight for layer in layers]),
-            _addresses([parts.gate_up.packed_weight for parts in fused]),
-            _addresses([layer.mlp.down_proj.packed_weight for layer in layers]),
+            _weights([parts.qkv for parts in fused]),
+            _weights([layer.self_attn.o_proj for layer in layers]),
+            _weights([parts.gate_up for parts in fused]),
+            _weights([layer.mlp.down_proj for layer in layers]),
         ]
-        arrays = [ctypes.cast(array, _pointers) for array in self._arrays]
+        norms_in, norms_post, qkv_bias = (ctypes.cast(array, _pointers)
+                                          for array in self._arrays[:3])
         self.struct = DecoderStruct(
             len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
             config.intermediate_size, layers[0].input_layernorm.variance_epsilon,
-            attention.scaling, arrays[0], arrays[1], decoder.norm.weight.data_ptr(), arrays[2],
-            arrays[3], arrays[4], arrays[5], arrays[6])
+            attention.scaling, norms_in, norms_post, decoder.norm.weight.data_ptr(),
+            *self._arrays[3:4], qkv_bias, *self._arrays[4:])
         self._weights = (decoder, fused)  # the addresses above stay valid while these live
         self.library = kernel()
 

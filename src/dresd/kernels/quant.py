@@ -230,3 +230,50 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in={self.in_features}, out={self.out_features}"
+
+
+class QuantParts(torch.nn.Module):
+    """Projections that share an input but not a type (a Q4_K_M file's q and k in Q4_K, its v
+    in Q6_K): one module whose output is theirs side by side; the C decoder runs each part
+    into its own columns."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.out_features = sum(part.out_features for part in parts)
+        biases = [part.bias for part in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(part.out_features)
+                              for b, part in zip(biases, parts, strict=True)])
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def fuse(modules: list[QuantLinear]) -> QuantLinear | QuantParts:
+    """One module for projections that share an input. Where they have one type and each fills
+    whole panels, one `QuantLinear` whose packed buffer is theirs one after another (the parts
+    then read views of it: no weight is held twice); else a `QuantParts`. Either way each
+    output is computed exactly as by its own module (quant.c's header)."""
+    first = modules[0]
+    if (any(m.qtype != first.qtype or m.out_features % LANES for m in modules)
+            or any(m.out_dtype != first.out_dtype for m in modules)):
+        return QuantParts(modules)
+    fused = QuantLinear.__new__(QuantLinear)
+    torch.nn.Module.__init__(fused)
+    fused.qtype, fused.in_features = first.qtype, first.in_features
+    fused.out_dtype = first.out_dtype
+    fused.out_features = sum(m.out_features for m in modules)
+    fused.register_buffer("packed", torch.cat([m.packed for m in modules]), persistent=False)
+    biases = QuantParts(modules).bias
+    fused.register_buffer("bias", biases, persistent=False)
+    offset = outputs = 0
+    for module in modules:  # each part reads its rows of the fused buffers
+        size = module.packed.numel()
+        module.packed = fused.packed[offset:offset + size]
+        if module.bias is not None:
+            module.bias = fused.bias[outputs:outputs + module.out_features]
+        offset, outputs = offset + size, outputs + module.out_features
+    return fused
