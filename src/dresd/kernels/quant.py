@@ -216,8 +216,10 @@ class QuantLinear(torch.nn.Module):
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
                  ) -> None:
         super().__init__()
-        if in_features % BLOCK:
-            raise DresdError(f"{qtype.name} rows of {in_features} inputs: not whole blocks")
+        block, size = GGML_QUANT_SIZES[qtype]
+        if in_features % block or raw.shape != (out_features, in_features // block * size):
+            raise DresdError(f"a {qtype.name} tensor of {out_features} x {in_features} cannot "
+                             f"hold {raw.shape[0]} rows of {raw.shape[-1]} bytes")
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
         self.out_dtype = out_dtype
         self.register_buffer("packed", pack(qtype, raw, out_features, in_features),

@@ -1,0 +1,204 @@
+"""GGUF files run natively: the quantized kernel against references no one here wrote (the
+`gguf` package's dequantizers, transformers' own GGUF loader), its rows batch-invariant, and
+every method exactly the file's own plain decoding, alone and batched."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from drafters_for_tests import OracleDrafter, RandomTreeDrafter
+from gguf_files import Q, random_blocks, write_tiny_gguf
+from test_batch import run_batched
+from transformers import AutoModelForCausalLM
+
+from dresd.decoding import speculative_generate
+from dresd.decoding.batch import Request
+from dresd.drafters import NoDrafter, PromptLookupDrafter
+from dresd.errors import DresdError
+from dresd.kernels import quant
+from dresd.models import load_target
+
+pytestmark = pytest.mark.skipif(quant.kernel() is None,
+                                reason="the quantized kernel needs AVX-512 VNNI")
+TYPES = list(quant.LAYOUTS)
+
+
+def raw_tensor(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return random_blocks(qtype, n, k, rng)
+    return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_unpacked_blocks_are_the_gguf_packages_values(qtype):
+    n, k = 40, 512
+    raw = raw_tensor(qtype, n, k)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+    assert np.array_equal(quant.dequantize(qtype, raw, n, k), expected)
+
+
+def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [m, k] float32 -> (xq, dx per block), as quant.c's header says."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.maximum(amax, 1e-30), 0).astype(np.float32)
+    xq = np.rint((blocks * inverse).astype(np.float32))
+    return xq.reshape(x.shape), (amax / np.float32(127))[..., 0]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_computes_the_sum_its_header_states(qtype):
+    n, k = 50, 256  # 50 outputs: a panel and a part-filled one
+    raw = raw_tensor(qtype, n, k, seed=1)
+    packed = quant.pack(qtype, raw, n, k)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    xq, dx = quantized_rows(x.float().numpy())
+    weight = quant.dequantize(qtype, raw, n, k).astype(np.float64)
+    # sum over blocks of dx * (sum of w * xq): the same sum, in float64
+    per_block = np.einsum("mbj,nbj->mnb", xq.reshape(5, -1, 32), weight.reshape(n, -1, 32))
+    expected = (per_block * dx[:, None, :]).sum(axis=2)
+    got = quant.linear(x, qtype, packed, n, out_dtype=torch.float32).double().numpy()
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(qtype):
+    n, k = 70, 256
+    raw = raw_tensor(qtype, n, k, seed=2)
+    packed = quant.pack(qtype, raw, n, k)
+    bias = torch.randn(n)
+    x = torch.randn(13, k).to(torch.bfloat16)
+    alone = torch.cat([quant.linear(x[i:i + 1], qtype, packed, n, bias) for i in range(13)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 3, 4, 5, 8, 13):
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                assert torch.equal(quant.linear(x[:count], qtype, packed, n, bias),
+                                   alone[:count])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_projections_give_the_separate_ones_bits():
+    k = 128
+    parts = [quant.QuantLinear(Q.Q4_1, raw_tensor(Q.Q4_1, n, k, seed=n), n, k,
+                               torch.randn(n)) for n in (64, 32, 32)]
+    x = torch.randn(6, k).to(torch.bfloat16)
+    separate = torch.cat([part(x) for part in parts], dim=-1)
+    fused = quant.fuse(parts)
+    assert isinstance(fused, quant.QuantLinear)
+    assert torch.equal(fused(x), separate)
+    assert torch.equal(torch.cat([part(x) for part in parts], dim=-1), separate)  # views
+    mixed = [parts[0], quant.QuantLinear(Q.Q8_0, raw_tensor(Q.Q8_0, 20, k), 20, k)]
+    together = quant.fuse(mixed)
+    assert isinstance(together, quant.QuantParts)
+    assert torch.equal(together(x), torch.cat([m(x) for m in mixed], dim=-1))
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("gguf")
+    return {
+        "llama-q4_1": write_tiny_gguf(folder / "llama-q4_1.gguf", Q.Q4_1, tied=False),
+        "qwen2-q8_0": write_tiny_gguf(folder / "qwen2-q8_0.gguf", Q.Q8_0, arch="qwen2",
+                                      embedding_type=Q.Q4_0, tied=False),
+        "llama-mixed": write_tiny_gguf(folder / "llama-mixed.gguf", Q.Q4_K, v_type=Q.Q8_0,
+                                       embedding_type=Q.F32, seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_files) -> dict:
+    return {name: load_target(str(path)) for name, path in tiny_files.items()}
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "qwen2-q8_0"])
+def test_logits_match_transformers_on_the_dequantized_file(tiny_files, targets, name):
+    """transformers' own GGUF loader (its dequantizers, its q/k unpermutation) in float32 is
+    the reference: dresd's logits on the blocks, with 8-bit activations, stay close to it."""
+    path = tiny_files[name]
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    ids = torch.tensor([np.random.default_rng(0).integers(0, 49152, 48).tolist()])
+    with torch.inference_mode():
+        expected = reference(ids).logits[0]
+        got = teacher_forced_logits(targets[name], ids[0].tolist())
+    error = (got - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert error.max() < 0.08, error.max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def teacher_forced_logits(target, ids: list[int]) -> torch.Tensor:
+    from dresd.decoding.forward import Segment, make_forward
+
+    forward = make_forward(target.model)
+    sequence = forward.new_sequence()
+    [out] = forward([Segment(sequence, ids, 0)])
+    return out.logits.float()
+
+
+def test_every_method_is_the_files_own_plain_decoding(targets):
+    target = targets["llama-q4_1"]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 49152, size).tolist() for size in (5, 17, 40)]
+    prompts.append([11, 12, 13, 11, 12, 13, 11, 12])  # repeats: PLD drafts
+    eos = target.eos_token_ids
+    for prompt in prompts:
+        plain = speculative_generate(target.model, NoDrafter(),
+                                     torch.tensor(prompt), max_new_tokens=24,
+                                     eos_token_ids=eos).token_ids
+        drafters = [PromptLookupDrafter(num_drafts=3),
+                    OracleDrafter(len(prompt), plain, draft_len=6, corrupt=0.5, seed=1,
+                                  vocab_size=49152),
+                    RandomTreeDrafter(seed=len(prompt), vocab_size=49152)]
+        for drafter in drafters:
+            got = speculative_generate(target.model, drafter, torch.tensor(prompt),
+                                       max_new_tokens=24, eos_token_ids=eos).token_ids
+            assert got == plain, type(drafter).__name__
+
+
+def test_batched_is_bit_for_bit_alone(targets):
+    # q, k: Q5_0 (too narrow for Q4_K, as llama-quantize falls back), v: Q8_0, so q/k/v run
+    # as parts; the MLP's down projection in Q4_K
+    target = targets["llama-mixed"]
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 49152, size).tolist() for size in (3, 30, 9, 21)]
+    alone = [speculative_generate(target.model, PromptLookupDrafter(num_drafts=2),
+                                  torch.tensor(p), max_new_tokens=20).token_ids
+             for p in prompts]
+    requests = [Request(prompt=p, drafter=PromptLookupDrafter(num_drafts=2), max_new_tokens=20,
+                        eos_token_ids=[]) for p in prompts]
+    results = run_batched(target.model, requests, [0, 0, 2, 5], max_batch_size=3,
+                          prefill_chunk=8)
+    assert [r.token_ids for r in results] == alone
+
+
+def test_damaged_and_unsupported_files_are_one_clear_error(tiny_files, tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    data = tiny_files["llama-q4_1"].read_bytes()
+    truncated.write_bytes(data[:len(data) // 2])
+    with pytest.raises(DresdError, match="truncated|damaged"):
+        load_target(str(truncated))
+    with pytest.raises(DresdError, match="does not exist"):
+        load_target(str(tmp_path / "none.gguf"))
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(DresdError, match="not a readable GGUF"):
+        load_target(str(not_gguf))
+
+
+def test_cli_generates_from_a_gguf_file(tiny_files, capsys):
+    from dresd.cli.main import main
+
+    code = main(["generate", "--model", str(tiny_files["llama-q4_1"]), "--method", "pld",
+                 "--prompt", "Say hello.", "--max-new-tokens", "6", "--json", "--threads", "1",
+                 "--no-budget"])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["num_new_tokens"] == 6
