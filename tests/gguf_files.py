@@ -22,7 +22,7 @@ def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
     and scales, with small finite float16 super-block scales."""
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    for first in (0, 2):  # d, dmin
+    for first in ((size - 2,) if qtype == Q.Q6_K else (0, 2)):  # d (Q6_K: last), dmin
         scale = rng.uniform(0.0005, 0.002, (n, k // block)).astype(np.float16)
         raw[..., first:first + 2] = scale.view(np.uint8).reshape(n, k // block, 2)
     return raw.reshape(n, -1)
@@ -30,7 +30,7 @@ def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
 
 def tensor_bytes(qtype: Q, weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """float32 [n, k] weights as `qtype` blocks (K-quants: random blocks instead)."""
-    if qtype in (Q.Q4_K, Q.Q5_K):
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return random_blocks(qtype, *weights.shape, rng)
     if qtype == Q.F32:
         return weights.astype(np.float32)

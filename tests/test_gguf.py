@@ -29,7 +29,7 @@ TYPES = list(quant.LAYOUTS)
 
 def raw_tensor(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_K, Q.Q5_K):
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return random_blocks(qtype, n, k, rng)
     return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
 
@@ -66,7 +66,8 @@ def test_kernel_computes_the_sum_its_header_states(qtype):
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K],
+                         ids=lambda t: t.name)
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(qtype):
     n, k = 70, 256
     raw = raw_tensor(qtype, n, k, seed=2)

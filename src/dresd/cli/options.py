@@ -83,7 +83,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     """The target, how it generates, and every drafter's options (each drafter takes those it
     knows): `generate`, `bench` and `serve` share them."""
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="Hugging Face id, local folder, or 'default' (SmolLM2-135M-Instruct)")
+                   help="a Hugging Face id, a local folder, a GGUF file (FILE.gguf: its quantized "
+                        "weights run as they are), 'default' (SmolLM2-135M-Instruct) or "
+                        "'default-gguf' (its own Q4_1 GGUF file)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="tokenize prompts as raw text instead of a chat turn")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -7,7 +7,8 @@
  * blocks of 32 (x[m, k] ~ dx[m, b] * xq[m, k], dx = max|x| / 127 in the block, xq = round(x /
  * dx), sx = sum of the block's xq), and a weight is w[n, k] = d[n, b] * q[n, k] + c[n, b]:
  *   - a type with an offset (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q as stored + 128): c = -offset d;
- *   - a type with a minimum (Q4_1, Q5_1, and the K-quants' sub-blocks): c = m.
+ *   - a type with a minimum (Q4_1, Q5_1, and the K-quants' sub-blocks): c = m;
+ *   - Q6_K, whose scales change every 16 k: d and c per half block, each half summed apart.
  * q is stored unsigned (0..15 in nibbles, or 0..255 in bytes), so one `vpdpbusd` multiplies
  * four weights by four activations and adds them exactly into a 32-bit integer:
  *   dot[m, n, b] = sum_k q[n, k] xq[m, k]      (exact: |dot| < 2^24)
@@ -18,6 +19,7 @@
  *   acc = +0.0f
  *   for b = 0, 1, ..., blocks - 1:
  *       term = fma(c[n, b], float(sx[m, b]), d[n, b] * float(dot[m, n, b]))
+ *       (Q6_K: term = fma(c1, sx1, fma(d1, dot1, fma(c0, sx0, d0 * dot0))) over the halves)
  *       acc  = fma(term, dx[m, b], acc)
  *   y[m, n] = acc + bias[n]   (then bf16, to nearest, ties to even, or float32 as it is)
  * Vector lanes run over outputs n (16 per register); rows m and outputs n are independent, so
@@ -28,7 +30,8 @@
  *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
  *                    high nibble q[n][32b + 8r + 4 + j];
  *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
- *   d       16 scales (float16 or float32, as the type keeps them);
+ *   d       16 scales (float16 or float32, as the type keeps them); Q6_K: 16 for k < 16,
+ *           then 16 for k >= 16;
  *   c       16 minimums in the scales' precision (types with a minimum only).
  */
 #include <immintrin.h>
@@ -48,10 +51,13 @@ typedef struct {
     int half;        /* 1: float16 scales, 0: float32 */
     int has_min;     /* 1: c stored; 0: c = -offset d */
     int offset;
+    int halves;      /* 1: d per 16 k (two sets per block, each half's dot apart) */
 } QLayout;
 
 static inline int64_t quant_bytes(QLayout l) { return l.nibbles ? 256 : 512; }
-static inline int64_t scale_bytes(QLayout l) { return (l.half ? 32 : 64) * (l.has_min ? 2 : 1); }
+static inline int64_t scale_bytes(QLayout l) {
+    return (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
+}
 static inline int64_t block_bytes(QLayout l) { return quant_bytes(l) + scale_bytes(l); }
 
 /* bf16 -> float32 for 16 values. */
@@ -70,7 +76,8 @@ static inline __m256i q_round_bf16(__m512 value) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* One row of bf16 x (k a multiple of 32) as 8-bit blocks: xq [k], dx [k / 32], sx [k / 32].
+/* One row of bf16 x (k a multiple of 32) as 8-bit blocks: xq [k], dx [k / 32], and sx [k / 16]
+ * the sums of each half block's xq.
  * dx = amax / 127 and xq = round-to-nearest-even(x * (127 / amax)), as llama.cpp's Q8 rows;
  * an all-zero block has dx = 0 and xq = 0. */
 static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, int32_t *sx) {
@@ -85,7 +92,8 @@ static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, int32_
         _mm_storeu_si128((__m128i *)(xq + b * QBLOCK), _mm512_cvtsepi32_epi8(ql));
         _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(qh));
         dx[b] = scale;
-        sx[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        sx[2 * b] = _mm512_reduce_add_epi32(ql);
+        sx[2 * b + 1] = _mm512_reduce_add_epi32(qh);
     }
 }
 
@@ -107,7 +115,7 @@ static inline __attribute__((always_inline)) void qtile(
     const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
         __m512i w[QPARTS][8];
-        __m512 d[QPARTS], c[QPARTS];
+        __m512 d[QPARTS], c[QPARTS], d2[QPARTS], c2[QPARTS];
         for (int p = 0; p < parts; p++) {
             const uint8_t *block = panel + p * panel_stride + b * stride;
             if (l.nibbles) {
@@ -123,6 +131,10 @@ static inline __attribute__((always_inline)) void qtile(
             d[p] = load_scales(scales, l.half);
             c[p] = l.has_min ? load_scales(scales + (l.half ? 32 : 64), l.half)
                              : _mm512_mul_ps(d[p], _mm512_set1_ps((float)-l.offset));
+            if (l.halves) { /* the second half's scales; c = -offset d */
+                d2[p] = load_scales(scales + 64, 0);
+                c2[p] = _mm512_mul_ps(d2[p], _mm512_set1_ps((float)-l.offset));
+            }
         }
         for (int i = 0; i < TILE; i++) {
             /* w[p][r] holds k = 4r .. 4r + 3 of the block, whether it came from bytes or
@@ -130,16 +142,27 @@ static inline __attribute__((always_inline)) void qtile(
             const int32_t *x4 = (const int32_t *)(xq + (int64_t)i * k + b * QBLOCK);
             __m512i xs[8];
             for (int r = 0; r < 8; r++) xs[r] = _mm512_set1_epi32(x4[r]);
-            __m512 sxf = _mm512_set1_ps((float)sx[(int64_t)i * blocks + b]);
+            const int32_t *sums = sx + (int64_t)i * 2 * blocks + 2 * b;
+            __m512 sxf = _mm512_set1_ps((float)(sums[0] + sums[1]));
+            __m512 sx0 = _mm512_set1_ps((float)sums[0]), sx1 = _mm512_set1_ps((float)sums[1]);
             __m512 dxf = _mm512_set1_ps(dx[(int64_t)i * blocks + b]);
             for (int p = 0; p < parts; p++) {
-                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-                for (int r = 0; r < 8; r += 2) {
-                    even = _mm512_dpbusd_epi32(even, w[p][r], xs[r]);
-                    odd = _mm512_dpbusd_epi32(odd, w[p][r + 1], xs[r + 1]);
+                /* two independent chains: k < 16 and k >= 16 (exact integers) */
+                __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+                for (int r = 0; r < 4; r++) {
+                    low = _mm512_dpbusd_epi32(low, w[p][r], xs[r]);
+                    high = _mm512_dpbusd_epi32(high, w[p][r + 4], xs[r + 4]);
                 }
-                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-                __m512 term = _mm512_fmadd_ps(c[p], sxf, _mm512_mul_ps(d[p], dot));
+                __m512 term;
+                if (l.halves) {
+                    term = _mm512_fmadd_ps(c[p], sx0,
+                                           _mm512_mul_ps(d[p], _mm512_cvtepi32_ps(low)));
+                    term = _mm512_fmadd_ps(d2[p], _mm512_cvtepi32_ps(high), term);
+                    term = _mm512_fmadd_ps(c2[p], sx1, term);
+                } else {
+                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
+                    term = _mm512_fmadd_ps(c[p], sxf, _mm512_mul_ps(d[p], dot));
+                }
                 acc[i][p] = _mm512_fmadd_ps(term, dxf, acc[i][p]);
             }
         }
@@ -170,7 +193,8 @@ static const QLayout LAYOUTS[] = {
     {0, 1, 0, 16},   /* 3: Q5_0  bytes (0..31), float16 d, q - 16 */
     {0, 1, 1, 0},    /* 4: Q5_1  bytes, float16 d and m */
     {1, 0, 1, 0},    /* 5: Q4_K  nibbles, float32 d and m per 32 */
-    {0, 0, 1, 0},    /* 6: Q5_K, Q6_K  bytes, float32 d and m per 32 */
+    {0, 0, 1, 0},    /* 6: Q5_K  bytes, float32 d and m per 32 */
+    {0, 0, 0, 32, 1},/* 7: Q6_K  bytes (0..63), float32 d per 16, q - 32 */
 };
 
 #define QTILE_CASES(L) \
@@ -193,7 +217,8 @@ static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
         case 3: QTILE_CASES(LAYOUTS[3]) break;
         case 4: QTILE_CASES(LAYOUTS[4]) break;
         case 5: QTILE_CASES(LAYOUTS[5]) break;
-        default: QTILE_CASES(LAYOUTS[6]) break;
+        case 6: QTILE_CASES(LAYOUTS[6]) break;
+        default: QTILE_CASES(LAYOUTS[7]) break;
     }
 }
 
@@ -212,7 +237,7 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
     const int blocks = k / QBLOCK;
     int8_t *xq = malloc((size_t)rows * k + 64);
     float *dx = malloc(sizeof(float) * (size_t)rows * blocks);
-    int32_t *sx = malloc(sizeof(int32_t) * (size_t)rows * blocks);
+    int32_t *sx = malloc(sizeof(int32_t) * (size_t)rows * 2 * blocks);
     if (!xq || !dx || !sx) {
         free(xq); free(dx); free(sx);
         return -1;
@@ -220,7 +245,7 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 8)
     for (int m = 0; m < rows; m++)
         quantize_row(x + m * x_stride, k, xq + (int64_t)m * k, dx + (int64_t)m * blocks,
-                     sx + (int64_t)m * blocks);
+                     sx + (int64_t)m * 2 * blocks);
 
     const int64_t panel_stride = dresd_quant_panel_bytes(layout, k);
     const int panels = (n + QLANES - 1) / QLANES;
@@ -239,7 +264,7 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
         if (outputs > QPARTS * QLANES) outputs = QPARTS * QLANES;
         size_t element = out_bf16 ? 2 : 4;
         qtile_any(layout, count, xq + (int64_t)first * k, dx + (int64_t)first * blocks,
-                  sx + (int64_t)first * blocks, k, packed + panel0 * panel_stride,
+                  sx + (int64_t)first * 2 * blocks, k, packed + panel0 * panel_stride,
                   panel_stride, parts, bias ? bias + panel0 * QLANES : NULL,
                   (char *)y + ((int64_t)first * y_stride + panel0 * QLANES) * element,
                   y_stride, outputs, out_bf16);

@@ -45,9 +45,10 @@ class Layout:
     half: bool  # float16 scales, else float32
     has_min: bool  # c stored, else c = -offset * d
     offset: int = 0
+    halves: bool = False  # d per 16 k (Q6_K), else per 32
 
     def block_bytes(self) -> int:
-        scales = (32 if self.half else 64) * (2 if self.has_min else 1)
+        scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
         return (256 if self.nibbles else 512) + scales
 
 
@@ -60,6 +61,7 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q5_1: Layout(4, nibbles=False, half=True, has_min=True),
     Q.Q4_K: Layout(5, nibbles=True, half=False, has_min=True),
     Q.Q5_K: Layout(6, nibbles=False, half=False, has_min=True),
+    Q.Q6_K: Layout(7, nibbles=False, half=False, has_min=False, offset=32, halves=True),
 }
 
 
@@ -114,7 +116,8 @@ def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A tensor's raw blocks (uint8 [n, bytes per row]) -> (q uint8 [n, k], d [n, k / 32],
     c [n, k / 32] or None), with w = d * q + c (c None: c = -offset * d, the layout's offset).
-    d and c are float16 where the file keeps them so, else float32 (K-quants: d * scale)."""
+    d and c are float16 where the file keeps them so, else float32 (K-quants: d * scale);
+    Q6_K's d is per 16 k: [n, k / 16]."""
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(n, k // block, size)
     if qtype == Q.Q4_0:
@@ -147,13 +150,25 @@ def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
         scale = (d[..., None] * sc).reshape(n, k // BLOCK)  # exact: float16 x 6-bit integer
         minimum = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
         return q.astype(np.uint8), scale.astype(np.float32), minimum.astype(np.float32)
+    if qtype == Q.Q6_K:  # 128 low nibbles, 64 bytes of 2 high bits, 16 int8 scales, d
+        ql = blocks[..., 0:128].reshape(n, k // 256, 2, 2, 32)  # [half, j, l]: bytes 64h+32j+l
+        qh = blocks[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+        scales = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [n, blocks, 16]
+        d = _half(blocks[..., 208:210]).astype(np.float32)
+        # element 128h + 32i + l, i = 0..3: low nibble of ql[h][i % 2] (i < 2) or its high
+        # nibble (i >= 2), with bits 2i, 2i + 1 of qh[h] as bits 4 and 5
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [n, b, h, 4, 32]
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        q = low | (((qh >> shifts) & 3) << 4)
+        return (q.reshape(n, k).astype(np.uint8),
+                (d[..., None] * scales).reshape(n, k // 16).astype(np.float32), None)
     raise DresdError(f"no native kernel for {qtype.name} weights")
 
 
 def dequantize(qtype: Q, raw: np.ndarray, n: int, k: int) -> np.ndarray:
     """float32 [n, k] from the unpacked form (what the kernel multiplies by)."""
     q, d, c = unpack(qtype, raw, n, k)
-    d32 = np.repeat(d.astype(np.float32), BLOCK, axis=1)
+    d32 = np.repeat(d.astype(np.float32), k // d.shape[1], axis=1)
     if c is None:
         return d32 * (q.astype(np.float32) - LAYOUTS[qtype].offset)
     return d32 * q.astype(np.float32) + np.repeat(c.astype(np.float32), BLOCK, axis=1)
@@ -167,7 +182,7 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     padded = panels * LANES
     if padded != n:  # zero rows: zero quants and scales, outputs the kernel drops
         q = np.concatenate([q, np.zeros((padded - n, k), q.dtype)])
-        d = np.concatenate([d, np.zeros((padded - n, blocks), d.dtype)])
+        d = np.concatenate([d, np.zeros((padded - n, d.shape[1]), d.dtype)])
         c = None if c is None else np.concatenate([c, np.zeros((padded - n, blocks), c.dtype)])
     # q [panel, lane, block, 32] -> [panel, block, register, lane, 4 bytes]
     q = q.reshape(panels, LANES, blocks, BLOCK)
@@ -179,8 +194,9 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
         quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         quants = quants.reshape(panels, blocks, 512)
     scale_type = np.float16 if layout.half else np.float32
-    parts = [quants, d.astype(scale_type).reshape(panels, LANES, blocks)
-             .transpose(0, 2, 1).copy().view(np.uint8)]
+    halves = 2 if layout.halves else 1  # d per 16 k: the block's first 16 scales, then the rest
+    parts = [quants, d.astype(scale_type).reshape(panels, LANES, blocks, halves)
+             .transpose(0, 2, 3, 1).reshape(panels, blocks, -1).copy().view(np.uint8)]
     if layout.has_min:
         parts.append(c.astype(scale_type).reshape(panels, LANES, blocks)
                      .transpose(0, 2, 1).copy().view(np.uint8))
