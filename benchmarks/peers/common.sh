@@ -13,4 +13,4 @@ if [ -z "${DATASTORE+x}" ]; then
   [ -f runs/demo-gsm8k-store/manifest.json ] && DATASTORE=runs/demo-gsm8k-store
 fi
 STORE_ARGS=()
-[ "$DATASTORE" != none ] && STORE_ARGS=(--datastore "$DATASTORE")
+if [ "$DATASTORE" != none ]; then STORE_ARGS=(--datastore "$DATASTORE"); fi

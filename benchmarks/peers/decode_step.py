@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python benchmarks/peers/decode_step.py --threads 1 --round 1
     PYTHONPATH=src python benchmarks/peers/decode_step.py --summarize results.jsonl
+    PYTHONPATH=src python benchmarks/peers/decode_step.py --model FILE.gguf --runner NAME ...
+    PYTHONPATH=src python benchmarks/peers/decode_step.py --summarize-files results.jsonl
 
 Measuring: the default model as `dresd generate` loads it (bf16 where the CPU multiplies it
 natively), plain decoding through dresd's loop of 128 tokens after a one-token prompt (llama-bench
@@ -33,9 +35,10 @@ TOKENS = 128
 REPETITIONS = 5
 
 
-def measure(threads: int, round_number: int) -> dict:
+def measure(threads: int, round_number: int, model: str = "default",
+            runner: str = "dresd") -> dict:
     torch.set_num_threads(threads)
-    target = load_target("default")
+    target = load_target(model)
     engine = BatchEngine(target.model, max_batch_size=1)
     speeds = []
     for repetition in range(REPETITIONS + 1):
@@ -46,7 +49,7 @@ def measure(threads: int, round_number: int) -> dict:
         assert len(state.result.token_ids) == TOKENS
         if repetition:  # the first is a warm-up
             speeds.append(TOKENS / seconds)
-    return {"runner": "dresd", "round": round_number, "n_threads": threads,
+    return {"runner": runner, "round": round_number, "n_threads": threads,
             "avg_ts": statistics.mean(speeds), "stddev_ts": statistics.stdev(speeds),
             "type_k": str(target.dtype), "linears": target.linears, "cpu_info": cpu_model(),
             "forward": ("C decoder" if getattr(engine.forward, "c_decoder", None) is not None
@@ -95,16 +98,56 @@ def summarize(path: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_files(path: Path) -> str:
+    """gguf_speed.sh's lines: per file and thread count, llama.cpp's and dresd's tokens/s on
+    the same file (runners "llama.cpp FILE" and "dresd FILE"), the ratio, and its spread: the
+    lowest and highest per-round ratio."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_round: dict[tuple[str, str, int], dict[int, float]] = defaultdict(dict)
+    for row in rows:
+        engine, _, name = row["runner"].partition(" ")
+        by_round[(name, engine, int(row["n_threads"]))][row["round"]] = row["avg_ts"]
+    llama = next((r for r in rows if r["runner"].startswith("llama.cpp")), {})
+    lines = [
+        "# dresd beside llama.cpp on the same GGUF files: plain decoding, tg128", "",
+        f"CPU: {cpu_model()}; llama.cpp {llama.get('build_commit', '?')} (llama-cpp-python "
+        "0.3.36's vendored sources, `llama-bench -p 0 -n 128 -r 5`); dresd `ar` on the same "
+        "file, 128 tokens after a one-token prompt, 5 repetitions after a warm-up. Rounds "
+        f"interleaved: {len({r['round'] for r in rows})}. Made by "
+        "`bash benchmarks/peers/gguf_speed.sh`.", "",
+        "| file | threads | llama.cpp tokens/s | dresd ar tokens/s | dresd / llama.cpp "
+        "(per-round range) |",
+        "| --- | ---: | ---: | ---: | ---: |"]
+    for name, threads in sorted({(n, t) for n, _, t in by_round}):
+        theirs, mine = by_round.get((name, "llama.cpp", threads)), by_round.get(
+            (name, "dresd", threads))
+        if not theirs or not mine:
+            continue
+        rounds = sorted(set(theirs) & set(mine))
+        ratios = [mine[r] / theirs[r] for r in rounds]
+        lines.append(f"| {name} | {threads} | {statistics.mean(theirs.values()):.1f} | "
+                     f"{statistics.mean(mine.values()):.1f} | "
+                     f"{statistics.mean(mine.values()) / statistics.mean(theirs.values()):.2f} "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--round", type=int, default=1)
+    parser.add_argument("--model", default="default", help="default, a folder or FILE.gguf")
+    parser.add_argument("--runner", default="dresd", help="the runner's name in the line")
     parser.add_argument("--summarize", type=Path, default=None, metavar="JSONL")
+    parser.add_argument("--summarize-files", type=Path, default=None, metavar="JSONL")
     args = parser.parse_args()
     if args.summarize is not None:
         print(summarize(args.summarize), end="")
         return
-    print(json.dumps(measure(args.threads, args.round)), flush=True)
+    if args.summarize_files is not None:
+        print(summarize_files(args.summarize_files), end="")
+        return
+    print(json.dumps(measure(args.threads, args.round, args.model, args.runner)), flush=True)
 
 
 if __name__ == "__main__":

