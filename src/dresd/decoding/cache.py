@@ -8,7 +8,30 @@ Accepted tokens are never recomputed.
 from __future__ import annotations
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache, PretrainedConfig
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of a model whose attention (some layers, or all) sees only the last
+    `window` positions; None where every layer sees the whole context."""
+    config = config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+def rollback_cache(config: PretrainedConfig) -> DynamicCache:
+    """A transformers cache that rejected rows can always be cut from. With sliding-window
+    layers, transformers' own cache keeps only the window and cannot take back entries once the
+    window has moved past them (`crop` then fails); so such a model's cache keeps every entry,
+    and the window is the attention mask's work (`forward.HFForward`), as it is for any row."""
+    if sliding_window(config) is not None:
+        return DynamicCache()  # every layer a full layer
+    return DynamicCache(config=config)
 
 
 def keep_cache_entries(cache: Cache, prefix_len: int, kept_nodes: list[int]) -> None:

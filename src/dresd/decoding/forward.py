@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from dresd.decoding.cache import keep_cache_entries
+from dresd.decoding.cache import keep_cache_entries, rollback_cache, sliding_window
 from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.sampling import greedy_tokens, top_two
 from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
@@ -392,10 +392,10 @@ def _row_choices(logits: torch.Tensor, segments: list[Segment], counts: list[int
 
 
 class HFSequence:
-    """A sequence's `DynamicCache` for `HFForward`."""
+    """A sequence's `DynamicCache` for `HFForward` (every entry kept: `cache.rollback_cache`)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.cache = DynamicCache(config=model.config)
+        self.cache = rollback_cache(model.config)
         self.length = 0
 
 
@@ -406,6 +406,24 @@ class HFForward:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.dtype, self.device = _dtype_and_device(model)
+        self.window = sliding_window(model.config)
+        types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        self.layer_types = set(types) if types else None
+
+    def _tree_mask(self, segment: Segment) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A tree's additive mask; with sliding-window layers, those layers' mask also hides
+        every entry `window` or more positions behind the row (transformers' rule: position
+        q sees k where q - k < window), as a mask per layer type where the model has both."""
+        full = additive_mask(segment.start, segment.ancestors, self.dtype)
+        if self.window is None:
+            return full
+        rows = torch.tensor(segment.positions(), device=self.device)
+        columns = torch.cat([torch.arange(segment.start, device=self.device), rows])
+        outside = (rows[:, None] - columns[None, :]) >= self.window
+        windowed = full.masked_fill(outside[None, None], torch.finfo(self.dtype).min)
+        if self.layer_types is None or self.layer_types == {"sliding_attention"}:
+            return windowed
+        return {"full_attention": full, "sliding_attention": windowed}
 
     def new_sequence(self) -> HFSequence:
         return HFSequence(self.model)
@@ -421,7 +439,7 @@ class HFForward:
             rows = len(segment)
             mask = None
             if segment.ancestors is not None:  # a tree; a chain keeps transformers' mask
-                mask = additive_mask(segment.start, segment.ancestors, self.dtype)
+                mask = self._tree_mask(segment)
             keep = {"all": 0, "last": 1, "none": 1}[segment.logits_rows]
             out = self.model(
                 input_ids=torch.tensor([segment.token_ids], device=self.device),

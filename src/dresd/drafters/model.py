@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from dresd.decoding.cache import rollback_cache
 from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.decoding.sampling import greedy_tokens
 from dresd.errors import UserError
@@ -70,7 +71,7 @@ class DraftModelDrafter(DraftModelOptions, Drafter):
         """Cut the cache back to its longest common prefix with `tokens`, leaving >= 1 unseen.
         A new prompt simply shares a shorter prefix (often the chat template's preamble)."""
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = rollback_cache(self.model.config)
         common = 0
         limit = min(len(tokens) - 1, len(self.cached_tokens))
         while common < limit and tokens[common] == self.cached_tokens[common]:
