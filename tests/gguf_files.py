@@ -5,6 +5,7 @@ reads the file as it reads any llama.cpp file."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -14,7 +15,22 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from dresd.models import ensure_default_model
 
 Q = GGMLQuantizationType
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 128, 256, 2, 1, 2  # head size 64: C attention
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 128
+    intermediate: int = 256
+    heads: int = 2  # head size 64: the C attention's
+    kv_heads: int = 1
+    layers: int = 2
+    rope_theta: float = 10000.0
+
+
+TINY = Shape()
+# Llama-3.2's 1B and 3B shapes (their rotary scaling left out: speed does not depend on it)
+LLAMA_32_1B = Shape(2048, 8192, 32, 8, 16, 500000.0)
+LLAMA_32_3B = Shape(3072, 8192, 24, 8, 28, 500000.0)
 
 
 def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -34,29 +50,34 @@ def tensor_bytes(qtype: Q, weights: np.ndarray, rng: np.random.Generator) -> np.
         return random_blocks(qtype, *weights.shape, rng)
     if qtype == Q.F32:
         return weights.astype(np.float32)
+    if qtype == Q.F16:
+        return weights.astype(np.float16)
     return gguf.quants.quantize(weights.astype(np.float32), qtype)
 
 
 def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q8_0,
                     arch: str = "llama", seed: int = 0, v_type: Q | None = None,
-                    tied: bool = True) -> Path:
-    """A 2-layer `arch` model; every linear in `linear_type` (the attention's v in `v_type`
-    if given), the token embedding in `embedding_type`, an LM head of its own unless `tied`."""
+                    tied: bool = True, shape: Shape = TINY) -> Path:
+    """A `shape` (by default 2-layer) `arch` model; every linear in `linear_type` (the
+    attention's v in `v_type` if given), the token embedding in `embedding_type`, an LM head of
+    its own unless `tied`. F16 for every type writes a file for llama-quantize to quantize."""
+    hidden, intermediate, heads = shape.hidden, shape.intermediate, shape.heads
+    kv_heads, layers = shape.kv_heads, shape.layers
     rng = np.random.default_rng(seed)
     folder = ensure_default_model(quiet=True)
     vocab = gguf.vocab.BpeVocab(folder)
     tokens, _, token_types = zip(*vocab.all_tokens(), strict=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_context_length(2048)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTERMEDIATE)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(hidden // heads)
     writer.add_vocab_size(len(tokens))
     writer.add_file_type(1)
     writer.add_tokenizer_model("gpt2")
@@ -69,35 +90,36 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
     def add(name: str, n: int, k: int, qtype: Q, scale: float = 0.08) -> None:
         if k % GGML_QUANT_SIZES[qtype][0]:  # rows too narrow for a K-quant: as llama-quantize
             qtype = Q.Q5_0
-        weights = rng.standard_normal((n, k)).astype(np.float32) * scale
+        weights = rng.standard_normal((n, k), dtype=np.float32) * scale
         data = tensor_bytes(qtype, weights, rng)
-        writer.add_tensor(name, data, raw_shape=None if qtype == Q.F32 else data.shape,
-                          raw_dtype=None if qtype == Q.F32 else qtype)
+        floats = qtype in (Q.F32, Q.F16)
+        writer.add_tensor(name, data, raw_shape=None if floats else data.shape,
+                          raw_dtype=None if floats else qtype)
 
     def norm(name: str) -> None:
-        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
 
-    head_dim = HIDDEN // HEADS
-    add("token_embd.weight", len(tokens), HIDDEN, embedding_type, scale=1.0)
-    for i in range(LAYERS):
+    head_dim = hidden // heads
+    add("token_embd.weight", len(tokens), hidden, embedding_type, scale=1.0)
+    for i in range(layers):
         blk = f"blk.{i}."
         norm(blk + "attn_norm.weight")
         norm(blk + "ffn_norm.weight")
-        add(blk + "attn_q.weight", HEADS * head_dim, HIDDEN, linear_type)
-        add(blk + "attn_k.weight", KV_HEADS * head_dim, HIDDEN, linear_type)
-        add(blk + "attn_v.weight", KV_HEADS * head_dim, HIDDEN, v_type or linear_type)
-        add(blk + "attn_output.weight", HIDDEN, HEADS * head_dim, linear_type)
-        add(blk + "ffn_gate.weight", INTERMEDIATE, HIDDEN, linear_type)
-        add(blk + "ffn_up.weight", INTERMEDIATE, HIDDEN, linear_type)
-        add(blk + "ffn_down.weight", HIDDEN, INTERMEDIATE, linear_type)
+        add(blk + "attn_q.weight", heads * head_dim, hidden, linear_type)
+        add(blk + "attn_k.weight", kv_heads * head_dim, hidden, linear_type)
+        add(blk + "attn_v.weight", kv_heads * head_dim, hidden, v_type or linear_type)
+        add(blk + "attn_output.weight", hidden, heads * head_dim, linear_type)
+        add(blk + "ffn_gate.weight", intermediate, hidden, linear_type)
+        add(blk + "ffn_up.weight", intermediate, hidden, linear_type)
+        add(blk + "ffn_down.weight", hidden, intermediate, linear_type)
         if arch == "qwen2":
-            for part, size in (("q", HEADS * head_dim), ("k", KV_HEADS * head_dim),
-                               ("v", KV_HEADS * head_dim)):
+            for part, size in (("q", heads * head_dim), ("k", kv_heads * head_dim),
+                               ("v", kv_heads * head_dim)):
                 writer.add_tensor(f"{blk}attn_{part}.bias",
                                   (0.05 * rng.standard_normal(size)).astype(np.float32))
     norm("output_norm.weight")
     if not tied:
-        add("output.weight", len(tokens), HIDDEN, linear_type, scale=0.3)
+        add("output.weight", len(tokens), hidden, linear_type, scale=0.3)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
