@@ -26,6 +26,7 @@ print('\n\n'.join(r['question'] + '\n' + r['answer'] for r in rows[:int(sys.argv
   "$DATA/gsm8k/train.jsonl" "$TOKENS" > "$TEXT"
 read -r -a files <<< "$Q4_1 ${FILES:-}"
 : > "$OUT/gguf_quality.jsonl"
+: > "$OUT/gguf_quality_self.jsonl"
 for file in "${files[@]}"; do
   logits=$PEERS/$(basename "$file" .gguf).logits
   "$BUILD/bin/llama-perplexity" -m "$file" -f "$TEXT" -c 512 -t 2 \
@@ -37,6 +38,12 @@ for file in "${files[@]}"; do
   fi
   PYTHONPATH=src .venv/bin/python benchmarks/peers/gguf_agreement.py "$file" "$logits" \
     --llama-ppl "$ppl" >> "$OUT/gguf_quality.jsonl"
+  # llama.cpp against itself: the same file and text in micro-batches of 32 rows at 1 thread
+  # (other matmul kernels, another split of the work), its own top-1 agreement
+  "$BUILD/bin/llama-perplexity" -m "$file" -f "$TEXT" -c 512 -b 512 -ub 32 -t 1 \
+    --kl-divergence-base "$logits.ub32" > "$PEERS/perplexity-ub32.log" 2>&1
+  PYTHONPATH=src .venv/bin/python benchmarks/peers/gguf_agreement.py "$file" "$logits" \
+    --against "$logits.ub32" >> "$OUT/gguf_quality_self.jsonl"
 done
 .venv/bin/python - "$OUT/gguf_quality.jsonl" > "$OUT/gguf_quality.md" <<'PY'
 import json, os, sys
@@ -51,5 +58,15 @@ for r in rows:
     print(f"| {os.path.basename(r['model'])} | {r['linears']} | {r['positions']} | "
           f"{100 * r['top1_agreement']:.2f}% | {r['dresd_ppl']:.4f} | {r['llama_ppl']} | "
           f"{r.get('ppl_ratio', float('nan')):.4f} |")
+print(f"\nAway from near-ties (llama.cpp's two best next tokens {rows[0]['near_tie_nats']} nats "
+      "or more apart):\n")
+for r in rows:
+    print(f"- {os.path.basename(r['model'])}: {100 * r['share_not_near_tie']:.1f}% of positions, "
+          f"top-1 agreement {100 * r['top1_agreement_not_near_tie']:.2f}%")
+selfs = [json.loads(line) for line in open(sys.argv[1].replace(".jsonl", "_self.jsonl"))]
+print("\nllama.cpp against itself (the same file and text, micro-batches of 32 rows at 1 "
+      "thread against its default batch at 2 threads):\n")
+for r in selfs:
+    print(f"- {os.path.basename(r['logits'])}: top-1 agreement {100 * r['top1_agreement']:.2f}%")
 PY
 cat "$OUT/gguf_quality.md"

@@ -96,11 +96,20 @@ def describe(reader: GGUFReader) -> dict:
     types: dict[str, int] = {}
     for tensor in reader.tensors:
         types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-    return {"architecture": _field(reader, "general.architecture"),
+    architecture = _field(reader, "general.architecture")
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors
+                          if t.tensor_type not in SUPPORTED_TYPES})
+    why_not = ([f"architecture {architecture}"] if architecture not in ARCHITECTURES else []) + (
+        [f"types {', '.join(unsupported)}"] if unsupported else [])
+    runs = f"no ({'; '.join(why_not)})" if why_not else "yes"
+    return {"architecture": architecture,
             "name": _field(reader, "general.name"),
+            "layers": _field(reader, f"{architecture}.block_count"),
+            "context_length": _field(reader, f"{architecture}.context_length"),
             "tensor_types": types,
             "parameters": int(sum(int(np.prod(t.shape)) for t in reader.tensors)),
-            "tensor_bytes": int(sum(t.n_bytes for t in reader.tensors))}
+            "tensor_bytes": int(sum(t.n_bytes for t in reader.tensors)),
+            "dresd_runs_it_natively": runs}
 
 
 def gguf_fingerprint(reader: GGUFReader) -> str:

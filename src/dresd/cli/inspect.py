@@ -1,4 +1,5 @@
-"""`dresd inspect`: what a datastore holds (entries, dims, bytes per token, model, sources)."""
+"""`dresd inspect`: what a datastore holds (entries, dims, bytes per token, model, sources), or
+what a GGUF model file holds (architecture, tensor types, size, whether dresd runs it)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 from pathlib import Path
 
 from dresd.datastore.inspect import describe, format_description
+from dresd.gguf_model import describe as describe_gguf
+from dresd.gguf_model import is_gguf, open_gguf
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    inspect = commands.add_parser("inspect", help="what a datastore holds")
-    inspect.add_argument("datastore", type=Path)
+    inspect = commands.add_parser("inspect", help="what a datastore or a GGUF file holds")
+    inspect.add_argument("datastore", type=Path, help="a datastore folder or a FILE.gguf")
     inspect.add_argument("--verify", action="store_true",
                          help="hash every file, also the large ones the open-time check leaves "
                               "to sizes and headers")
@@ -20,6 +23,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_gguf(str(args.datastore)):
+        figures = describe_gguf(open_gguf(args.datastore))  # a damaged file is an error
+        print(json.dumps(figures, indent=2) if args.json else
+              "\n".join(f"{key}: {value}" for key, value in figures.items()))
+        return 0
     figures = describe(args.datastore, verify=args.verify)  # a damaged store is an error
     print(json.dumps(figures, indent=2) if args.json else format_description(figures))
     return 0
