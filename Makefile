@@ -10,12 +10,14 @@ STAMP  := $(VENV)/.installed
 # The demo: a dense + sparse datastore of 400 GSM8K training answers (built once, a few minutes
 # on 2 cores), then AR, PLD, suffix, REST, DReSD and hybrid side by side on the first GSM8K test
 # questions, DReSD at its default (the step budget), at the paper's shape (budget=0) and at the
-# 4-node tree (benchmarks/results/fast_path), in the dtype --dtype auto picks.
+# 4-node tree (benchmarks/results/fast_path), in the dtype --dtype auto picks. Then the default
+# model's own Q4_1 GGUF file, its quantized weights run natively: AR, PLD, suffix and hybrid (the
+# demo store belongs to the bf16 checkpoint, so no retrieval there).
 DATA       ?= ../shared/data
 DEMO_STORE := runs/demo-gsm8k-store
 DEMO_OUT   := runs/demo
 
-.PHONY: demo test lint model
+.PHONY: demo test test-fast lint model
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,9 +37,19 @@ demo: model $(DEMO_STORE)/manifest.json
 	$(BIN)/dresd bench --methods 'ar,pld,suffix,rest[max_tree_nodes=4],dresd,dresd[budget=0],dresd[max_tree_nodes=4],hybrid' \
 		--datastore $(DEMO_STORE) --dataset gsm8k \
 		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
+	$(BIN)/dresd bench --model default-gguf --methods 'ar,pld,suffix,hybrid' --dataset gsm8k \
+		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)-gguf
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
+# The whole suite but the heavy reliability runs (`pytest -m slow`); docs/testing.md.
 test: model lint
 	$(BIN)/python -m pytest -q
+
+# The edit loop: unit tests and tiny models. Deselects every test that loads the default model
+# in this process, starts a server or Ray, or runs a child process (markers that tests/conftest.py
+# sets), and says how many. The tiny models borrow the default model's tokenizer, hence `model`.
+FAST := not slow and not default_model and not server and not ray and not subprocess
+test-fast: model lint
+	$(BIN)/python -m pytest -q -m '$(FAST)'
