@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,7 @@ class _Tensors:
 
     def __init__(self, reader: GGUFReader, path: Path) -> None:
         self.path = path
+        self.mapping = getattr(reader.data, "_mmap", None)  # the file, memory-mapped
         self.by_name = {tensor.name: tensor for tensor in reader.tensors}
         for tensor in reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -175,7 +177,9 @@ class _Tensors:
         if bias_values is not None and rows is not None:
             bias_values = bias_values[torch.from_numpy(rows)]
         if tensor.tensor_type in quant.LAYOUTS:
-            return quant.QuantLinear(tensor.tensor_type, raw, n, k, bias_values, out_dtype)
+            layer = quant.QuantLinear(tensor.tensor_type, raw, n, k, bias_values, out_dtype)
+            self.release(tensor)
+            return layer
         weight = self._dense(tensor, raw).to(torch.bfloat16)
         if out_dtype == torch.float32:  # an LM head in floats: logits in float32
             layer = torch.nn.Linear(k, n, bias=bias_values is not None, dtype=torch.float32)
@@ -194,6 +198,14 @@ class _Tensors:
         embedding = torch.nn.Embedding(vocab, dim, dtype=torch.bfloat16)
         embedding.weight.data = self._dense(tensor, raw).to(torch.bfloat16)
         return embedding
+
+    def release(self, tensor) -> None:
+        """Let the kernel drop the file's pages of a tensor now packed: they were read once, and
+        would otherwise stay in this process's resident memory beside the packed copy."""
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
     @staticmethod
     def _dense(tensor, raw: np.ndarray) -> torch.Tensor:
