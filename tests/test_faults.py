@@ -141,12 +141,14 @@ def kill_and_resume_builds(setup, reference_store, kills: int, capsys) -> list[s
     return outcomes
 
 
+@pytest.mark.subprocess
 def test_build_killed_at_random_points_resumes_to_the_same_bytes(setup, reference_store,
                                                                  capsys):
     kill_and_resume_builds(setup, reference_store, KILLS_CI, capsys)
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_build_killed_at_random_points_full(setup, reference_store, capsys):
     kill_and_resume_builds(setup, reference_store, KILLS_FULL, capsys)
 
@@ -167,12 +169,14 @@ def kill_and_resume_regenerate(setup, reference: Path, kills: int, capsys) -> li
     return outcomes
 
 
+@pytest.mark.subprocess
 def test_regenerate_killed_at_random_points_resumes_to_the_same_bytes(
         setup, reference_regenerated, capsys):
     kill_and_resume_regenerate(setup, reference_regenerated, KILLS_CI, capsys)
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_regenerate_killed_at_random_points_full(setup, reference_regenerated, capsys):
     kill_and_resume_regenerate(setup, reference_regenerated, KILLS_FULL, capsys)
 
@@ -193,6 +197,7 @@ def second_run_is_refused(setup, command: list, out: Path, locked: Path, capsys)
     return err
 
 
+@pytest.mark.subprocess
 def test_two_builds_into_one_folder(setup, reference_store, capsys):
     out = setup["root"] / "contended-store"
     err = second_run_is_refused(setup, setup["build"], out, partial_dir(out) / "plan.json",
@@ -202,6 +207,7 @@ def test_two_builds_into_one_folder(setup, reference_store, capsys):
 
 
 @pytest.mark.slow  # the same lock as the build's; CI runs that one
+@pytest.mark.subprocess
 def test_two_regenerations_into_one_file(setup, reference_regenerated, capsys):
     out = setup["root"] / "contended.jsonl"
     first_batch = partial_path(out)
@@ -232,12 +238,14 @@ def largest_file(store: Path) -> int:
     return max(p.stat().st_size for p in store.rglob("*") if p.is_file())
 
 
+@pytest.mark.subprocess
 def test_file_size_limit_is_one_error_and_resumes(setup, reference_store, capsys):
     """A limit just below the largest file: the build stops late, with its chunks done."""
     limited_builds(setup, reference_store, [largest_file(reference_store) - 1], capsys)
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_file_size_limits_full(setup, reference_store, capsys):
     """Limits from below the first chunk file to below the largest file."""
     largest = largest_file(reference_store)
@@ -246,6 +254,7 @@ def test_file_size_limits_full(setup, reference_store, capsys):
 
 
 @pytest.mark.slow  # CI runs the file-size limit, the same error path
+@pytest.mark.subprocess
 def test_full_disk_is_one_error_and_resumes(setup, reference_store, capsys):
     """A real ENOSPC: a 256 KiB tmpfs (needs the right to mount; skipped elsewhere)."""
     disk = setup["root"] / "small-disk"

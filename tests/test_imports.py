@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
@@ -116,6 +118,7 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+@pytest.mark.subprocess
 def test_importing_the_loop_imports_no_drafter():
     """`dresd.decoding` holds the drafter interface; the drafters depend on it, not the other
     way round."""

@@ -139,7 +139,7 @@ def test_no_avx512_bf16_means_no_kernel(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["tiny", "default"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("default", marks=pytest.mark.default_model)])
 def test_model_rows_do_not_depend_on_their_batch(name):
     """A bf16 model on the C linears (and invariant attention; the default model's on the C
     attention kernel): a 6-token chain in one forward, beside another sequence, gives every row

@@ -115,6 +115,7 @@ def test_the_exposure_warning():
     assert unauthorized_body(True)["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.subprocess
 def test_the_serve_command_does_not_import_ray():
     """Without --ray, Ray is never imported: the command's modules and its options parsed."""
     code = ("import sys\n"
