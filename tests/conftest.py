@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random models built from configs, and the default model; and the tiers
-`make test-fast` and `make test` run (docs/testing.md)."""
+"""Shared fixtures: tiny random models built from configs, the default model, and plain
+decoding's outputs on it (computed once a session); and the tiers `make test-fast` and
+`make test` run (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from dresd.models import Target, load_target
+from dresd.runner import AR, GenerationSettings, MethodRunner
 
 TINY_VOCAB = 512
 
@@ -49,6 +51,61 @@ def default_target() -> Target:
 def default_target_bf16() -> Target:
     """The default model in bfloat16 with prepacked weights, the fast CPU path."""
     return load_target("default", dtype="bfloat16", device="cpu")
+
+
+class References:
+    """Plain decoding's (`ar`) greedy outputs on one target, each computed once a session.
+
+    Several modules compare a method with `ar` on the same prompts (the default model's real
+    prompts, test_dense's and test_learn's, test_serve's questions); in float32 one such output
+    took ~1 s, so the session keeps each. `references(ids, n)` is the output of the prompt
+    alone (single-stream, as `dresd generate` runs it). `references.many(prompts, n)` runs the
+    prompts it has not seen through one batch (`MethodRunner.generate_many`): each output is
+    the single-stream one token for token, as tests/test_batch.py (tiny models, float64 and
+    the default model in bf16), test_regenerate.py (the default model in float32, batches
+    against single-stream `ar`) and test_serve.py (sixteen concurrent streams against
+    single-stream outputs) check."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.outputs: dict[tuple, list[int]] = {}
+        self.alone: set[tuple] = set()  # the keys whose output was computed single-stream
+
+    @staticmethod
+    def key(prompt_ids: list[int], max_new_tokens: int, stop_strings) -> tuple:
+        return tuple(prompt_ids), max_new_tokens, tuple(stop_strings)
+
+    def runner(self, max_new_tokens: int, stop_strings) -> MethodRunner:
+        return MethodRunner(self.target, AR,
+                            GenerationSettings(max_new_tokens, None, list(stop_strings)))
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int,
+                 stop_strings: list[str] = ()) -> list[int]:
+        """The prompt's output, generated alone (single-stream)."""
+        key = self.key(prompt_ids, max_new_tokens, stop_strings)
+        if key not in self.alone:
+            result = self.runner(max_new_tokens, stop_strings).generate(list(prompt_ids))
+            self.outputs[key] = result.token_ids
+            self.alone.add(key)
+        return list(self.outputs[key])
+
+    def many(self, prompts: list[list[int]], max_new_tokens: int,
+             stop_strings: list[str] = ()) -> list[list[int]]:
+        """The prompts' outputs; those not known yet generated together, in one batch."""
+        keys = [self.key(ids, max_new_tokens, stop_strings) for ids in prompts]
+        missing = [key for key in dict.fromkeys(keys) if key not in self.outputs]
+        if missing:
+            runner = self.runner(max_new_tokens, stop_strings)
+            results = runner.generate_many([list(key[0]) for key in missing], len(missing))
+            for key, result in zip(missing, results, strict=True):
+                self.outputs[key] = result.token_ids
+        return [list(self.outputs[key]) for key in keys]
+
+
+@pytest.fixture(scope="session")
+def default_references(default_target) -> References:
+    """`ar`'s greedy outputs on the default model in float32, each computed once a session."""
+    return References(default_target)
 
 
 # ---------------------------------------------------------------- the tiers (docs/testing.md)

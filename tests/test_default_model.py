@@ -11,7 +11,7 @@ from drafters_for_tests import OracleDrafter
 from dresd.datasets import data_dir, read_jsonl, type_hint_prompts
 from dresd.decoding import speculative_generate, supports_tree_attention
 from dresd.prompts import encode_prompt
-from dresd.runner import AR, GenerationSettings, MethodRunner
+from dresd.runner import GenerationSettings, MethodRunner
 
 MAX_NEW = 24
 
@@ -33,9 +33,10 @@ def encoded(default_target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(default_target, encoded) -> list[list[int]]:
-    ar = MethodRunner(default_target, AR, GenerationSettings(MAX_NEW))
-    return [ar.generate(ids).token_ids for ids in encoded]
+def references(default_references, encoded) -> list[list[int]]:
+    """`ar`'s outputs, the 20 prompts in one batch (conftest.References: each output is the
+    single-stream one, which test_batch, test_regenerate and test_serve check)."""
+    return default_references.many(encoded, MAX_NEW)
 
 
 def test_default_model_takes_tree_masks(default_target):
@@ -60,15 +61,14 @@ def test_oracle_trees_are_identical_to_generate(default_target, encoded, referen
         assert result.token_ids == ref
 
 
-def test_stop_strings_end_where_generate_ends(default_target, encoded):
-    settings = GenerationSettings(40, stop_strings=["\n", "."])
-    ar = MethodRunner(default_target, AR, settings)
-    pld = MethodRunner(default_target, "pld", settings)
+def test_stop_strings_end_where_generate_ends(default_target, default_references, encoded):
+    stops = ["\n", "."]
+    pld = MethodRunner(default_target, "pld", GenerationSettings(40, stop_strings=stops))
     stopped = 0
-    for ids in encoded[:8]:
-        expected = ar.generate(ids)
+    for ids, expected in zip(encoded[:8], default_references.many(encoded[:8], 40, stops),
+                             strict=True):
         result = pld.generate(ids)
-        assert result.token_ids == expected.token_ids
+        assert result.token_ids == expected
         stopped += result.stop_reason == "stop_string"
     assert stopped >= 4
 

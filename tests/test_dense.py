@@ -22,7 +22,7 @@ from dresd.datastore.inspect import describe
 from dresd.drafters import DenseDrafter, DraftContext
 from dresd.models import Target
 from dresd.regenerate import RegenerateConfig, regenerate
-from dresd.runner import AR, GenerationSettings, MethodRunner
+from dresd.runner import GenerationSettings, MethodRunner
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -159,24 +159,25 @@ def test_inspect_finds_a_corrupt_file(datastore, tmp_path):
         describe(copy, verify=True)
 
 
-def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target):
+def test_dresd_drafts_the_corpus_and_stays_greedy(datastore, default_target,
+                                                 default_references):
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
-    reference = MethodRunner(default_target, AR, settings)
     dresd = MethodRunner(default_target, "dresd", settings, datastore=str(datastore))
     for prompt in PROMPTS[:2]:
         ids = encode_prompt(default_target.tokenizer, prompt)
         result = dresd.generate(ids)
-        assert result.token_ids == reference.generate(ids).token_ids
+        assert result.token_ids == default_references(ids, NEW_TOKENS)  # `ar`'s, once a session
         tokens_per_forward = len(result.token_ids) / result.num_target_forwards
         assert tokens_per_forward >= 3.0, tokens_per_forward
 
 
 @pytest.mark.parametrize("max_tree_nodes", [1, 3, 8])
 def test_dresd_node_budget_keeps_small_trees_and_stays_greedy(datastore, default_target,
+                                                              default_references,
                                                               max_tree_nodes):
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
     ids = encode_prompt(default_target.tokenizer, PROMPTS[0])
-    expected = MethodRunner(default_target, AR, settings).generate(ids).token_ids
+    expected = default_references(ids, NEW_TOKENS)
     runner = MethodRunner(default_target, "dresd", settings, datastore=str(datastore),
                           max_tree_nodes=max_tree_nodes)
     result = runner.generate(ids)
@@ -186,10 +187,10 @@ def test_dresd_node_budget_keeps_small_trees_and_stays_greedy(datastore, default
     assert len(result.token_ids) / result.num_target_forwards >= 1.5
 
 
-def test_unrelated_prompt_is_still_exact(datastore, default_target):
+def test_unrelated_prompt_is_still_exact(datastore, default_target, default_references):
     settings = GenerationSettings(max_new_tokens=24)
     ids = encode_prompt(default_target.tokenizer, "Name a colour of the rainbow.")
-    expected = MethodRunner(default_target, AR, settings).generate(ids).token_ids
+    expected = default_references(ids, 24)
     got = MethodRunner(default_target, "dresd", settings, datastore=str(datastore)).generate(ids)
     assert got.token_ids == expected
 
@@ -317,15 +318,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "not a datastore" in capsys.readouterr().err
 
 
-def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target):
+def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target,
+                                                      default_references):
     """Hybrid with a dense store and a cheap verify curve: exact, and DReSD's candidates pay."""
     settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
-    reference = MethodRunner(default_target, AR, settings)
     flat = {1: 1.0, 16: 1.2, 64: 2.0}
     hybrid = MethodRunner(default_target, "hybrid", settings, datastore=str(datastore), cost=flat)
     assert set(hybrid.drafter.sources) == {"pld", "suffix", "dresd"}  # dense-only: no REST
     for prompt in PROMPTS[:2]:
         ids = encode_prompt(default_target.tokenizer, prompt)
         result = hybrid.generate(ids)
-        assert result.token_ids == reference.generate(ids).token_ids
+        assert result.token_ids == default_references(ids, NEW_TOKENS)
         assert len(result.token_ids) / result.num_target_forwards >= 2.0

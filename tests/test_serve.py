@@ -2,8 +2,9 @@
 
 Two servers start at once (their model loads overlap): the main one, with a small dense +
 sparse datastore so that every method can be asked for, and one with a queue of a single
-request, for the 503 and disconnect tests. References are computed in this process exactly as
-`dresd generate` computes them (`MethodRunner`).
+request, for the 503 and disconnect tests. References are computed in this process as `dresd
+generate` computes them (`MethodRunner`, single-stream): `ar`'s output, which every method
+prints greedily; conftest's `default_references` keeps each for the session.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pytest
 from dresd.corpus import CorpusSpec
 from dresd.datastore.dense import DenseBuildConfig, build_dense
 from dresd.prompts import encode_prompt
-from dresd.runner import GenerationSettings, MethodRunner
 from dresd.serve import protocol
 from dresd.serve.engine import on_a_passing_thread
 from dresd.serve.local import LocalServer
@@ -72,12 +72,12 @@ def client(server):
                          timeout=120)
 
 
-def reference(target, prompt: str, method: str = "pld", chat: bool = True,
-              max_tokens: int = MAX_TOKENS, stop: list[str] | None = None) -> str:
-    """What `dresd generate --method METHOD --prompt PROMPT` prints."""
-    runner = MethodRunner(target, method, GenerationSettings(max_tokens, None, stop or []))
-    result = runner.generate(encode_prompt(target.tokenizer, prompt, chat))
-    return target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+def reference(references, prompt: str, chat: bool = True) -> str:
+    """What `dresd generate --prompt PROMPT` prints: greedy, every method prints `ar`'s output,
+    here generated alone in this process (`default_references`: once a session)."""
+    tokenizer = references.target.tokenizer
+    output = references(encode_prompt(tokenizer, prompt, chat), MAX_TOKENS)
+    return tokenizer.decode(output, skip_special_tokens=True)
 
 
 def chat(client, prompt: str, **options):
@@ -136,9 +136,9 @@ def test_models_health_and_metrics(server, client):
     assert metric(server.url, "dresd:num_requests_waiting") == 0
 
 
-def test_chat_is_what_generate_prints(client, default_target):
+def test_chat_is_what_generate_prints(client, default_target, default_references):
     reply = chat(client, QUESTIONS[0])
-    expected = reference(default_target, QUESTIONS[0])
+    expected = reference(default_references, QUESTIONS[0])
     assert reply.choices[0].message.content == expected
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage.completion_tokens <= MAX_TOKENS
@@ -155,11 +155,11 @@ def test_streamed_chat_is_the_whole_reply_in_pieces(client):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_completions_take_raw_text(client, default_target):
+def test_completions_take_raw_text(client, default_references):
     prompt = "The three primary colours are"
     reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
                                       max_tokens=MAX_TOKENS)
-    assert reply.choices[0].text == reference(default_target, prompt, chat=False)
+    assert reply.choices[0].text == reference(default_references, prompt, chat=False)
     assert reply.choices[0].finish_reason == "length"
     streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
                                          max_tokens=MAX_TOKENS, stream=True)
@@ -167,28 +167,28 @@ def test_completions_take_raw_text(client, default_target):
 
 
 @pytest.mark.parametrize("method", ["none", "ar", "rest", "dresd", "suffix", "hybrid"])
-def test_every_method_is_lossless(client, default_target, method):
+def test_every_method_is_lossless(client, default_references, method):
     # Chosen per request; greedy, every method gives the model's own output.
     reply = chat(client, QUESTIONS[2], extra_body={"method": method})
-    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[2])
+    assert reply.choices[0].message.content == reference(default_references, QUESTIONS[2])
     assert reply.model_extra["dresd"]["method"] == method
 
 
-def test_hybrid_reads_a_datastore_when_asked(client, default_target):
+def test_hybrid_reads_a_datastore_when_asked(client, default_references):
     reply = chat(client, QUESTIONS[4], extra_body={"method": "hybrid", "datastore": "sums"})
-    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[4])
+    assert reply.choices[0].message.content == reference(default_references, QUESTIONS[4])
     with pytest.raises(openai.BadRequestError, match="unknown datastore 'nope'"):
         chat(client, QUESTIONS[4], extra_body={"method": "hybrid", "datastore": "nope"})
 
 
-def test_drafter_options_per_request(client, default_target):
+def test_drafter_options_per_request(client, default_references):
     reply = chat(client, QUESTIONS[3],
                  extra_body={"method": "dresd", "datastore": "sums", "max_tree_nodes": 2})
-    assert reply.choices[0].message.content == reference(default_target, QUESTIONS[3])
+    assert reply.choices[0].message.content == reference(default_references, QUESTIONS[3])
 
 
-def test_stop_string_ends_the_text_before_it(client, default_target):
-    full = reference(default_target, QUESTIONS[4])
+def test_stop_string_ends_the_text_before_it(client, default_references):
+    full = reference(default_references, QUESTIONS[4])
     words = full.split()
     assert len(words) >= 3, full
     stop = " " + words[2]
@@ -247,9 +247,10 @@ def test_the_client_sees_errors_and_the_server_stays_up(client, server):
     assert any(" 400 " in line and "at least 1" in line for line in lines)
 
 
-def test_sixteen_concurrent_streams_equal_sequential_output(client, server, default_target):
-    # Sequential first, in this process, so the server is busy only with the streams below.
-    expected = [reference(default_target, q) for q in QUESTIONS]
+def test_sixteen_concurrent_streams_equal_sequential_output(client, server, default_references):
+    # Sequential first (each prompt alone), in this process, so the server is busy only with
+    # the streams below.
+    expected = [reference(default_references, q) for q in QUESTIONS]
     done_before = finished(server.url)
 
     def one(question: str) -> tuple[str, float]:

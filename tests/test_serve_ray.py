@@ -81,14 +81,15 @@ def streamed_chat(url: str, prompt: str, max_tokens: int = MAX_TOKENS
     return "".join(pieces), finish, replica
 
 
-def reference(target, prompt: str) -> str:
-    """What `dresd generate --method pld --prompt PROMPT` prints."""
+def reference(references, prompt: str) -> str:
+    """What `dresd generate --prompt PROMPT` prints: greedy, every method prints `ar`'s output,
+    generated alone in this process (conftest's `default_references`: test_serve asks for the
+    same questions, so the session computes each once)."""
     from dresd.prompts import encode_prompt
-    from dresd.runner import GenerationSettings, MethodRunner
 
-    runner = MethodRunner(target, "pld", GenerationSettings(MAX_TOKENS, None, []))
-    result = runner.generate(encode_prompt(target.tokenizer, prompt, True))
-    return target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    tokenizer = references.target.tokenizer
+    output = references(encode_prompt(tokenizer, prompt, True), MAX_TOKENS)
+    return tokenizer.decode(output, skip_special_tokens=True)
 
 
 def get(url: str, key: str | None = None) -> tuple[int, str]:
@@ -108,12 +109,12 @@ def pooled_successes(url: str) -> float:
     return sum(float(value) for value in found)
 
 
-def test_two_replicas_stream_what_generate_prints(deployment, default_target):
+def test_two_replicas_stream_what_generate_prints(deployment, default_references):
     url, _ = deployment
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         replies = list(pool.map(lambda prompt: streamed_chat(url, prompt), QUESTIONS))
     for prompt, (text, finish, _) in zip(QUESTIONS, replies, strict=True):
-        assert text == reference(default_target, prompt)
+        assert text == reference(default_references, prompt)
         assert finish in ("stop", "length")
     assert len({replica for _, _, replica in replies}) == 2  # both replicas served
 

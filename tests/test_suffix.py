@@ -271,20 +271,21 @@ def test_greedy_matches_generate(tiny, options):
     assert drafted > 0
 
 
-def test_default_model_greedy_is_identical_to_generate(default_target):
+def test_default_model_greedy_is_identical_to_generate(default_target, default_references):
     from test_default_model import MAX_NEW, real_prompts
 
     from dresd.prompts import encode_prompt
-    from dresd.runner import AR, GenerationSettings, MethodRunner
+    from dresd.runner import GenerationSettings, MethodRunner
 
     torch.set_num_threads(1)
     prompts = [encode_prompt(default_target.tokenizer, p) for p in real_prompts()[::5]]
-    ar = MethodRunner(default_target, AR, GenerationSettings(MAX_NEW))
+    # `ar`'s outputs: test_default_model's references for these prompts (the session's)
+    expected = default_references.many(prompts, MAX_NEW)
     suffix = MethodRunner(default_target, "suffix", GenerationSettings(MAX_NEW))
     accepted = 0
-    for ids in prompts + prompts[:2]:  # two prompts again: drafted from the global trie
-        result = suffix.generate(ids)
-        assert result.token_ids == ar.generate(ids).token_ids
+    for ids, ref in zip(prompts + prompts[:2], expected + expected[:2], strict=True):
+        result = suffix.generate(ids)  # two prompts again: drafted from the global trie
+        assert result.token_ids == ref
         accepted += sum(s.num_accepted for s in result.steps)
     assert accepted > 0
 
