@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -27,11 +29,22 @@ def varied_prompts(count: int = 24, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
+# model -> {(prompt, max_new_tokens, eos): output}: a model's greedy output is computed once a
+# session, however many drafters (and modules: test_suffix) are checked against it.
+_references: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
+    """`model.generate`'s greedy output, computed once per model, prompt, length and EOS."""
+    known = _references.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens, eos)
+    if key not in known:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)
+        known[key] = out[0, len(prompt) :].tolist()
+    return list(known[key])
 
 
 def spec(model, drafter, prompt, max_new_tokens, eos=None):
