@@ -12,8 +12,10 @@ expected below 5 pooled). Plain sampling (`ar`, transformers' `generate`) runs t
 same test as a control. Power: the same counts must be rejected (p < ALPHA) against the exact
 distribution at temperature 0.91 (x1.3), a sampler only slightly off.
 
-The CI version runs PLD on SEEDS_CI seeds; the full one (`-m slow`, or DRESD_SAMPLING_SEEDS=N)
-runs every method on more seeds and prints what it measured (RELIABILITY.md records it).
+The CI version runs PLD on SEEDS_CI seeds, 20 runs at a time in the batched loop (a seeded run
+draws the same tokens alone or in a batch: tests/test_batch.py); the full one (`-m slow`, or
+DRESD_SAMPLING_SEEDS=N) runs every method on more seeds, one run after the other, and prints
+what it measured (RELIABILITY.md records it).
 """
 
 from __future__ import annotations
@@ -78,14 +80,27 @@ def chi_square_p(counts: dict, exact: dict) -> float:
     return float(chisquare(observed[keep], expected[keep]).pvalue)
 
 
-def sample_pairs(runner: MethodRunner, prompt_ids: list[int], seeds: int) -> tuple[dict, int]:
-    """Counts of (x1, x2) over `seeds` runs of three new tokens; and draft tokens accepted."""
-    counts: dict = {}
-    accepted = 0
+def sample_pairs(runner: MethodRunner, prompt_ids: list[int], seeds: int,
+                 batch: int = 1) -> tuple[dict, int]:
+    """Counts of (x1, x2) over `seeds` runs of three new tokens; and draft tokens accepted.
+    `batch` 1: one run after the other (single-stream). More: the runs in one batched loop,
+    `batch` at a time, each with its own seed and its own fork of the drafter; a seeded run
+    draws the same tokens in any batch (tests/test_batch.py), so the counts are the same."""
+    results = []
+    engine = runner.batch(batch) if batch > 1 else None
     for seed in range(seeds):
         sampling = SamplingConfig(CONFIG.temperature, CONFIG.top_k, CONFIG.top_p, seed=seed)
         runner.settings = GenerationSettings(max_new_tokens=3, sampling=sampling)
-        result = runner.generate(prompt_ids)
+        if engine is None:
+            results.append(runner.generate(prompt_ids))
+        else:
+            results.append(engine.add(runner.request(prompt_ids, runner.drafter.fork())))
+    if engine is not None:
+        engine.run()
+        results = [state.result for state in results]
+    counts: dict = {}
+    accepted = 0
+    for result in results:
         pair = tuple(result.token_ids[:2])
         counts[pair] = counts.get(pair, 0) + 1
         accepted += sum(step.num_accepted for step in result.steps)
@@ -104,12 +119,14 @@ def colour_store(tmp_path_factory, default_target):
                        progress=False, with_sparse=True)
 
 
-def check_method(default_target, prompt_ids, method: str, seeds: int, store=None) -> dict:
+def check_method(default_target, prompt_ids, method: str, seeds: int, store=None,
+                 batch: int = 1) -> dict:
     options = {"datastore": str(store)} if store else {}
     runner = MethodRunner(default_target, method, GenerationSettings(), **options)
-    counts, accepted = sample_pairs(runner, prompt_ids, seeds)
+    counts, accepted = sample_pairs(runner, prompt_ids, seeds, batch)
     exact = exact_first_two(default_target, prompt_ids, CONFIG)
-    figures = {"method": method, "seeds": seeds, "accepted_draft_tokens": accepted,
+    figures = {"method": method, "seeds": seeds, "batch": batch,
+               "accepted_draft_tokens": accepted,
                "distinct_pairs": len(counts), "p_value": chi_square_p(counts, exact),
                "p_value_vs_temperature_x1.3":
                    chi_square_p(counts, exact_first_two(default_target, prompt_ids, WRONG))}
@@ -118,7 +135,9 @@ def check_method(default_target, prompt_ids, method: str, seeds: int, store=None
 
 
 def test_pld_sampling_matches_the_model_on_its_first_two_tokens(default_target, prompt_ids):
-    figures = check_method(default_target, prompt_ids, "pld", SEEDS_CI)
+    # The runs 20 at a time in one batched loop: half the time of one after the other here,
+    # the same counts (each run's seed decides its tokens in any batch).
+    figures = check_method(default_target, prompt_ids, "pld", SEEDS_CI, batch=20)
     assert figures["accepted_draft_tokens"] > 0, "no draft was accepted: nothing was tested"
     assert figures["p_value"] > ALPHA
     assert figures["p_value_vs_temperature_x1.3"] < ALPHA
