@@ -11,6 +11,7 @@ not count.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,12 +119,40 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+@pytest.fixture(scope="module")
+def imported_in_turn() -> dict:
+    """One fresh interpreter imports, in turn, the loop (`dresd.decoding`) and the serve command
+    (its modules, its options parsed without --ray); {step: the modules loaded after it}, and
+    the parsed `ray` option. One process for both tests below (each start loads torch, ~4 s
+    here); a step only adds modules, so what is missing after the serve command's step was
+    never imported by it."""
+    code = (
+        "import json, sys\n"
+        "seen = {}\n"
+        "import dresd.decoding\n"
+        "seen['loop'] = sorted(sys.modules)\n"
+        "from dresd.cli.main import build_parser\n"
+        "import dresd.cli.serve, dresd.serve.app, dresd.serve.auth\n"
+        "args = build_parser().parse_args(['serve', '--api-key', 'k', '--replicas', '2'])\n"
+        "seen['serve'] = sorted(sys.modules)\n"
+        "seen['ray_option'] = args.ray\n"
+        "print(json.dumps(seen))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.subprocess
-def test_importing_the_loop_imports_no_drafter():
+def test_importing_the_loop_imports_no_drafter(imported_in_turn):
     """`dresd.decoding` holds the drafter interface; the drafters depend on it, not the other
     way round."""
-    code = ("import sys, dresd.decoding; "
-            "print(sorted(m for m in sys.modules if m.startswith('dresd.drafters')))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True).stdout.strip()
-    assert loaded == "[]"
+    assert [m for m in imported_in_turn["loop"] if m.startswith("dresd.drafters")] == []
+
+
+@pytest.mark.subprocess
+def test_the_serve_command_does_not_import_ray(imported_in_turn):
+    """Without --ray, Ray is never imported: the command's modules and its options parsed
+    (moved here from test_serve_auth.py, to share the interpreter above)."""
+    assert imported_in_turn["ray_option"] is None
+    serve = imported_in_turn["serve"]
+    assert "ray" not in serve, sorted(m for m in serve if "ray" in m)

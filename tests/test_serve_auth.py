@@ -7,8 +7,6 @@ the option is the same value through argparse) and `/metrics` closed; one with `
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -113,18 +111,6 @@ def test_the_exposure_warning():
     warning = exposure_warning("0.0.0.0", None)
     assert "--api-key" in warning and "0.0.0.0" in warning
     assert unauthorized_body(True)["error"]["code"] == "invalid_api_key"
-
-
-@pytest.mark.subprocess
-def test_the_serve_command_does_not_import_ray():
-    """Without --ray, Ray is never imported: the command's modules and its options parsed."""
-    code = ("import sys\n"
-            "from dresd.cli.main import build_parser\n"
-            "import dresd.cli.serve, dresd.serve.app, dresd.serve.auth\n"
-            "args = build_parser().parse_args(['serve', '--api-key', 'k', '--replicas', '2'])\n"
-            "assert args.ray is None\n"
-            "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_options_that_cannot_serve_are_refused(monkeypatch):
