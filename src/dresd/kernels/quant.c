@@ -25,8 +25,9 @@
  * Vector lanes run over outputs n (16 per register); rows m and outputs n are independent, so
  * how the work is tiled or threaded never changes an output's operations.
  *
- * The weight layout (repacked once by quant.py so that a panel streams contiguously): panels
- * of 16 outputs (N padded with zero rows); per panel, per block b, in this order:
+ * The weight layout (repacked once by quant.py so that a group streams contiguously): groups
+ * of QPARTS panels of 16 outputs (N padded with zero rows to whole groups); per group, per
+ * block b, per panel of the group, in this order:
  *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
  *                    high nibble q[n][32b + 8r + 4 + j];
  *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
@@ -40,7 +41,10 @@
 #include <string.h>
 
 #define QLANES 16      /* outputs per panel: one register's float32 lanes */
-#define QPARTS 2       /* panels computed together, for independent accumulators */
+#define QPARTS 2       /* panels computed together (a group), for independent accumulators */
+#ifndef QAHEAD
+#define QAHEAD 4       /* blocks ahead that each block's step prefetches */
+#endif
 #define QMAX_TILE 4    /* rows sharing each weight load */
 #define QBLOCK 32      /* k per block */
 
@@ -102,22 +106,27 @@ static inline __m512 load_scales(const uint8_t *from, int half) {
                 : _mm512_loadu_ps((const float *)from);
 }
 
-/* Rows [0, TILE) of QPARTS panels starting at `panel` (stride panel_stride bytes). */
+/* Rows [0, TILE) of the group at `group`. */
 static inline __attribute__((always_inline)) void qtile(
         const int TILE, const QLayout l, const int8_t *xq, const float *dx, const int32_t *sx,
-        int k, const uint8_t *panel, int64_t panel_stride, int parts, const float *bias,
-        void *y, int64_t y_stride, int outputs, int out_bf16) {
-    const int blocks = k / QBLOCK;
+        int k, const uint8_t *group, const float *bias, void *y, int64_t y_stride, int outputs,
+        int out_bf16) {
+    const int blocks = k / QBLOCK, parts = QPARTS;
     const int64_t stride = block_bytes(l);
     __m512 acc[QMAX_TILE][QPARTS];
     for (int i = 0; i < TILE; i++)
         for (int p = 0; p < QPARTS; p++) acc[i][p] = _mm512_setzero_ps();
     const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
+        if (b + QAHEAD < blocks) {
+            const char *ahead = (const char *)group + (int64_t)(b + QAHEAD) * QPARTS * stride;
+            for (int64_t line = 0; line < QPARTS * stride; line += 64)
+                _mm_prefetch(ahead + line, _MM_HINT_T0);
+        }
         __m512i w[QPARTS][8];
         __m512 d[QPARTS], c[QPARTS], d2[QPARTS], c2[QPARTS];
         for (int p = 0; p < parts; p++) {
-            const uint8_t *block = panel + p * panel_stride + b * stride;
+            const uint8_t *block = group + ((int64_t)b * QPARTS + p) * stride;
             if (l.nibbles) {
                 for (int r = 0; r < 4; r++) {
                     __m512i packed = _mm512_loadu_si512(block + 64 * r);
@@ -199,17 +208,16 @@ static const QLayout LAYOUTS[] = {
 
 #define QTILE_CASES(L) \
     switch (count) { \
-        case 4: qtile(4, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
-        case 3: qtile(3, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
-        case 2: qtile(2, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
-        default: qtile(1, L, xq, dx, sx, k, panel, panel_stride, parts, bias, y, y_stride, outputs, out_bf16); break; \
+        case 4: qtile(4, L, xq, dx, sx, k, group, bias, y, y_stride, outputs, out_bf16); break; \
+        case 3: qtile(3, L, xq, dx, sx, k, group, bias, y, y_stride, outputs, out_bf16); break; \
+        case 2: qtile(2, L, xq, dx, sx, k, group, bias, y, y_stride, outputs, out_bf16); break; \
+        default: qtile(1, L, xq, dx, sx, k, group, bias, y, y_stride, outputs, out_bf16); break; \
     }
 
 /* One tile, with the layout and the row count constants of its own copy of qtile. */
 static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
-                      const int32_t *sx, int k, const uint8_t *panel, int64_t panel_stride,
-                      int parts, const float *bias, void *y, int64_t y_stride, int outputs,
-                      int out_bf16) {
+                      const int32_t *sx, int k, const uint8_t *group, const float *bias,
+                      void *y, int64_t y_stride, int outputs, int out_bf16) {
     switch (layout) {
         case 0: QTILE_CASES(LAYOUTS[0]) break;
         case 1: QTILE_CASES(LAYOUTS[1]) break;
@@ -222,13 +230,13 @@ static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
     }
 }
 
-/* Bytes of one panel of `layout` over k inputs. */
-int64_t dresd_quant_panel_bytes(int layout, int k) {
-    return (int64_t)(k / QBLOCK) * block_bytes(LAYOUTS[layout]);
+/* Bytes of one group of `layout` over k inputs. */
+int64_t dresd_quant_group_bytes(int layout, int k) {
+    return (int64_t)(k / QBLOCK) * QPARTS * block_bytes(LAYOUTS[layout]);
 }
 
 /* y = x W^T (+ bias): x rows x k bf16 (row stride x_stride elements; k a multiple of 32);
- * packed: the header's layout, ceil(n / 16) panels; bias: float32 [n] or NULL; y: rows x n,
+ * packed: the header's layout, ceil(n / 32) groups; bias: float32 [n] or NULL; y: rows x n,
  * bf16 (out_bf16 = 1) or float32, row stride y_stride. Returns 0, or -1 where memory for the
  * quantized rows could not be had. */
 int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows, int k,
@@ -247,26 +255,24 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
         quantize_row(x + m * x_stride, k, xq + (int64_t)m * k, dx + (int64_t)m * blocks,
                      sx + (int64_t)m * 2 * blocks);
 
-    const int64_t panel_stride = dresd_quant_panel_bytes(layout, k);
-    const int panels = (n + QLANES - 1) / QLANES;
-    const int groups = (panels + QPARTS - 1) / QPARTS;
+    const int64_t group_stride = dresd_quant_group_bytes(layout, k);
+    const int groups = (n + QPARTS * QLANES - 1) / (QPARTS * QLANES);
     const int tiles = (rows + QMAX_TILE - 1) / QMAX_TILE;
     const int items = groups * tiles;
     if (threads > items) threads = items;
-    /* Work item = (group of QPARTS panels, row tile), group-major, as cpu_linear.c's. */
+    /* Work item = (group, row tile), group-major, as cpu_linear.c's: a thread's items are
+     * consecutive row tiles of one group, whose weights stay in cache across its rows. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int item = 0; item < items; item++) {
         int group = item / tiles, first = item % tiles * QMAX_TILE;
         int count = rows - first < QMAX_TILE ? rows - first : QMAX_TILE;
-        int panel0 = group * QPARTS;
-        int parts = panels - panel0 < QPARTS ? panels - panel0 : QPARTS;
-        int outputs = n - panel0 * QLANES;
-        if (outputs > QPARTS * QLANES) outputs = QPARTS * QLANES;
+        int output0 = group * QPARTS * QLANES;
+        int outputs = n - output0 < QPARTS * QLANES ? n - output0 : QPARTS * QLANES;
         size_t element = out_bf16 ? 2 : 4;
         qtile_any(layout, count, xq + (int64_t)first * k, dx + (int64_t)first * blocks,
-                  sx + (int64_t)first * 2 * blocks, k, packed + panel0 * panel_stride,
-                  panel_stride, parts, bias ? bias + panel0 * QLANES : NULL,
-                  (char *)y + ((int64_t)first * y_stride + panel0 * QLANES) * element,
+                  sx + (int64_t)first * 2 * blocks, k, packed + group * group_stride,
+                  bias ? bias + output0 : NULL,
+                  (char *)y + ((int64_t)first * y_stride + output0) * element,
                   y_stride, outputs, out_bf16);
     }
     free(xq); free(dx); free(sx);

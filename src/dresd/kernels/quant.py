@@ -31,6 +31,8 @@ from dresd.host import cpu_flags
 SOURCE = Path(__file__).with_name("quant.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
 LANES = 16  # outputs per panel (quant.c's QLANES)
+PARTS = 2  # panels per group (quant.c's QPARTS)
+GROUP = LANES * PARTS  # outputs per group: a packed tensor's rows are padded to whole groups
 BLOCK = 32  # k per block (quant.c's QBLOCK)
 
 Q = GGMLQuantizationType
@@ -78,8 +80,8 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_quant_linear.argtypes = [i32, pointer, i64, i32, i32, pointer, i32, pointer,
                                            pointer, i64, i32, i32]
     library.dresd_quant_linear.restype = i32
-    library.dresd_quant_panel_bytes.argtypes = [i32, i32]
-    library.dresd_quant_panel_bytes.restype = i64
+    library.dresd_quant_group_bytes.argtypes = [i32, i32]
+    library.dresd_quant_group_bytes.restype = i64
     return library
 
 
@@ -175,10 +177,12 @@ def dequantize(qtype: Q, raw: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
-    """uint8 tensor in `quant.c`'s layout: ceil(n / 16) panels of k / 32 blocks."""
+    """uint8 tensor in `quant.c`'s layout: ceil(n / 32) groups of k / 32 blocks, each block
+    its panels' quants and scales one after the other."""
     layout = LAYOUTS[qtype]
     q, d, c = unpack(qtype, raw, n, k)
-    panels, blocks = -(-n // LANES), k // BLOCK
+    groups, blocks = -(-n // GROUP), k // BLOCK
+    panels = groups * PARTS
     padded = panels * LANES
     if padded != n:  # zero rows: zero quants and scales, outputs the kernel drops
         q = np.concatenate([q, np.zeros((padded - n, k), q.dtype)])
@@ -200,8 +204,9 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     if layout.has_min:
         parts.append(c.astype(scale_type).reshape(panels, LANES, blocks)
                      .transpose(0, 2, 1).copy().view(np.uint8))
-    packed = np.concatenate(parts, axis=2)
+    packed = np.concatenate(parts, axis=2)  # [panel, block, bytes]
     assert packed.shape[2] == layout.block_bytes()
+    packed = packed.reshape(groups, PARTS, blocks, -1).transpose(0, 2, 1, 3)  # group, block, part
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
@@ -276,7 +281,7 @@ def fuse(modules: list[QuantLinear]) -> QuantLinear | QuantParts:
     then read views of it: no weight is held twice); else a `QuantParts`. Either way each
     output is computed exactly as by its own module (quant.c's header)."""
     first = modules[0]
-    if (any(m.qtype != first.qtype or m.out_features % LANES for m in modules)
+    if (any(m.qtype != first.qtype or m.out_features % GROUP for m in modules)
             or any(m.out_dtype != first.out_dtype for m in modules)):
         return QuantParts(modules)
     fused = QuantLinear.__new__(QuantLinear)
