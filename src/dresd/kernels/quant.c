@@ -31,9 +31,13 @@
  *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
  *                    high nibble q[n][32b + 8r + 4 + j];
  *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
- *   d       16 scales (float16 or float32, as the type keeps them); Q6_K: 16 for k < 16,
- *           then 16 for k >= 16;
- *   c       16 minimums in the scales' precision (types with a minimum only).
+ *   d       16 scales (float16, as the file keeps them);
+ *   c       16 minimums (float16; types with a minimum only).
+ * K-quants keep their scales as the file does, as small integers under a float16 scale per 256
+ * k (d[n, b] = dsuper[n] * scale[n, b], exact in float32): per group, per superblock of 8
+ * blocks, first each panel's header (16 float16 dsuper; Q4_K, Q5_K: then 16 float16 dmin),
+ * then the 8 blocks, each panel's quants followed by 32 bytes: Q4_K, Q5_K: 16 six-bit scales
+ * and 16 minimums (c = -dmin * minimum); Q6_K: 16 int8 scales for k < 16, 16 for k >= 16.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -56,13 +60,35 @@ typedef struct {
     int has_min;     /* 1: c stored; 0: c = -offset d */
     int offset;
     int halves;      /* 1: d per 16 k (two sets per block, each half's dot apart) */
+    int kquant;      /* 1: superblock headers and integer scales (see the header) */
 } QLayout;
 
 static inline int64_t quant_bytes(QLayout l) { return l.nibbles ? 256 : 512; }
 static inline int64_t scale_bytes(QLayout l) {
-    return (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
+    return l.kquant ? 32 : (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
 }
 static inline int64_t block_bytes(QLayout l) { return quant_bytes(l) + scale_bytes(l); }
+static inline int64_t header_bytes(QLayout l) { return l.kquant ? (l.has_min ? 64 : 32) : 0; }
+#define SUPER 8  /* blocks per K-quant superblock (256 k) */
+
+/* Where panel p's part of block b starts in a group. */
+static inline const uint8_t *block_at(QLayout l, const uint8_t *group, int b, int p) {
+    if (!l.kquant) return group + ((int64_t)b * QPARTS + p) * block_bytes(l);
+    int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+    return group + (b / SUPER) * super + QPARTS * header_bytes(l)
+           + ((int64_t)(b % SUPER) * QPARTS + p) * block_bytes(l);
+}
+
+/* 16 bytes as floats: unsigned (six-bit scales) or signed (Q6_K's). */
+static inline __m512 bytes_ps(const uint8_t *from, int is_signed) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)from);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
+}
+
+static inline __m512 negate(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
+                                                _mm512_set1_epi32((int)0x80000000)));
+}
 
 /* bf16 -> float32 for 16 values. */
 static inline __m512 q_load_bf16(const uint16_t *from) {
@@ -118,15 +144,15 @@ static inline __attribute__((always_inline)) void qtile(
         for (int p = 0; p < QPARTS; p++) acc[i][p] = _mm512_setzero_ps();
     const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
     for (int b = 0; b < blocks; b++) {
-        if (b + QAHEAD < blocks) {
-            const char *ahead = (const char *)group + (int64_t)(b + QAHEAD) * QPARTS * stride;
+        if (b + QAHEAD < blocks) {  /* the block's panels lie together (K: and headers) */
+            const char *ahead = (const char *)block_at(l, group, b + QAHEAD, 0);
             for (int64_t line = 0; line < QPARTS * stride; line += 64)
                 _mm_prefetch(ahead + line, _MM_HINT_T0);
         }
         __m512i w[QPARTS][8];
         __m512 d[QPARTS], c[QPARTS], d2[QPARTS], c2[QPARTS];
         for (int p = 0; p < parts; p++) {
-            const uint8_t *block = group + ((int64_t)b * QPARTS + p) * stride;
+            const uint8_t *block = block_at(l, group, b, p);
             if (l.nibbles) {
                 for (int r = 0; r < 4; r++) {
                     __m512i packed = _mm512_loadu_si512(block + 64 * r);
@@ -137,6 +163,21 @@ static inline __attribute__((always_inline)) void qtile(
                 for (int r = 0; r < 8; r++) w[p][r] = _mm512_loadu_si512(block + 64 * r);
             }
             const uint8_t *scales = block + quant_bytes(l);
+            if (l.kquant) {
+                int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+                const uint8_t *header = group + (b / SUPER) * super + p * header_bytes(l);
+                __m512 dsuper = load_scales(header, 1);
+                d[p] = _mm512_mul_ps(dsuper, bytes_ps(scales, l.halves));
+                if (l.has_min) {
+                    c[p] = negate(_mm512_mul_ps(load_scales(header + 32, 1),
+                                                bytes_ps(scales + 16, 0)));
+                } else {
+                    c[p] = _mm512_mul_ps(d[p], _mm512_set1_ps((float)-l.offset));
+                    d2[p] = _mm512_mul_ps(dsuper, bytes_ps(scales + 16, 1));
+                    c2[p] = _mm512_mul_ps(d2[p], _mm512_set1_ps((float)-l.offset));
+                }
+                continue;
+            }
             d[p] = load_scales(scales, l.half);
             c[p] = l.has_min ? load_scales(scales + (l.half ? 32 : 64), l.half)
                              : _mm512_mul_ps(d[p], _mm512_set1_ps((float)-l.offset));
@@ -201,9 +242,9 @@ static const QLayout LAYOUTS[] = {
     {0, 1, 0, 128},  /* 2: Q8_0  bytes (q + 128), float16 d */
     {0, 1, 0, 16},   /* 3: Q5_0  bytes (0..31), float16 d, q - 16 */
     {0, 1, 1, 0},    /* 4: Q5_1  bytes, float16 d and m */
-    {1, 0, 1, 0},    /* 5: Q4_K  nibbles, float32 d and m per 32 */
-    {0, 0, 1, 0},    /* 6: Q5_K  bytes, float32 d and m per 32 */
-    {0, 0, 0, 32, 1},/* 7: Q6_K  bytes (0..63), float32 d per 16, q - 32 */
+    {1, 1, 1, 0, 0, 1},  /* 5: Q4_K  nibbles, dsuper and dmin, six-bit scales, minimums */
+    {0, 1, 1, 0, 0, 1},  /* 6: Q5_K  bytes, the same scales */
+    {0, 1, 0, 32, 1, 1}, /* 7: Q6_K  bytes (0..63), dsuper, int8 scales per 16, q - 32 */
 };
 
 #define QTILE_CASES(L) \
@@ -232,7 +273,9 @@ static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
 
 /* Bytes of one group of `layout` over k inputs. */
 int64_t dresd_quant_group_bytes(int layout, int k) {
-    return (int64_t)(k / QBLOCK) * QPARTS * block_bytes(LAYOUTS[layout]);
+    QLayout l = LAYOUTS[layout];
+    return (int64_t)(k / QBLOCK) * QPARTS * block_bytes(l)
+           + (int64_t)(k / QBLOCK / SUPER) * QPARTS * header_bytes(l);
 }
 
 /* y = x W^T (+ bias): x rows x k bf16 (row stride x_stride elements; k a multiple of 32);

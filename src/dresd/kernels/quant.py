@@ -48,8 +48,11 @@ class Layout:
     has_min: bool  # c stored, else c = -offset * d
     offset: int = 0
     halves: bool = False  # d per 16 k (Q6_K), else per 32
+    kquant: bool = False  # superblock headers and integer scales (K-quants)
 
     def block_bytes(self) -> int:
+        if self.kquant:
+            return (256 if self.nibbles else 512) + 32
         scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
         return (256 if self.nibbles else 512) + scales
 
@@ -61,9 +64,10 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q8_0: Layout(2, nibbles=False, half=True, has_min=False, offset=128),
     Q.Q5_0: Layout(3, nibbles=False, half=True, has_min=False, offset=16),
     Q.Q5_1: Layout(4, nibbles=False, half=True, has_min=True),
-    Q.Q4_K: Layout(5, nibbles=True, half=False, has_min=True),
-    Q.Q5_K: Layout(6, nibbles=False, half=False, has_min=True),
-    Q.Q6_K: Layout(7, nibbles=False, half=False, has_min=False, offset=32, halves=True),
+    Q.Q4_K: Layout(5, nibbles=True, half=True, has_min=True, kquant=True),
+    Q.Q5_K: Layout(6, nibbles=False, half=True, has_min=True, kquant=True),
+    Q.Q6_K: Layout(7, nibbles=False, half=True, has_min=False, offset=32, halves=True,
+                   kquant=True),
 }
 
 
@@ -135,9 +139,31 @@ def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
         q = _nibbles(blocks[..., first + 4:]) | (_high_bits(blocks[..., first:first + 4]) << 4)
         c = None if qtype == Q.Q5_0 else _half(blocks[..., 2:4])
         return q.reshape(n, k), _half(blocks[..., 0:2]), c
+    if qtype in K_QUANTS:  # d * scale: exact in float32 (float16 x an 8-bit integer)
+        q, d, dmin, scales = unpack_k(qtype, raw, n, k)
+        if qtype == Q.Q6_K:  # a scale per 16 k
+            d16 = np.repeat(d.astype(np.float32), 16, axis=1)
+            return q, d16 * scales.reshape(n, -1).view(np.int8).astype(np.float32), None
+        d32, dmin32 = (np.repeat(v.astype(np.float32), 8, axis=1) for v in (d, dmin))
+        return (q, d32 * scales[..., 0].astype(np.float32),
+                -(dmin32 * scales[..., 1].astype(np.float32)))
+    raise DresdError(f"no native kernel for {qtype.name} weights")
+
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def unpack_k(qtype: Q, raw: np.ndarray, n: int, k: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """A K-quant tensor as the file keeps its scales: (q uint8 [n, k], d float16 [n, k / 256],
+    dmin float16 [n, k / 256] or None, scales uint8 [n, k / 32, 2]): per block of 32, Q4_K and
+    Q5_K's 6-bit scale and minimum (w = d * scale * q - dmin * minimum), Q6_K's two int8 scales,
+    one per 16 k (w = d * scale * (q - 32)); kept as integers, so that packed they cost a byte
+    each, and the kernel's d * scale is exact in float32."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(n, k // block, size)
     if qtype in (Q.Q4_K, Q.Q5_K):
-        d = _half(blocks[..., 0:2]).astype(np.float32)  # [n, blocks of 256]
-        dmin = _half(blocks[..., 2:4]).astype(np.float32)
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [n, blocks of 256]
         sc, mn = _k_scales(blocks[..., 4:16])  # [n, blocks, 8]
         if qtype == Q.Q4_K:
             qs = blocks[..., 16:144].reshape(n, k // 256, 4, 32)  # 4 pairs of sub-blocks
@@ -148,23 +174,18 @@ def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
             qs = blocks[..., 48:176].reshape(n, k // 256, 4, 32)
             low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
             q = low | (qh << 4)
-        q = q.reshape(n, k)
-        scale = (d[..., None] * sc).reshape(n, k // BLOCK)  # exact: float16 x 6-bit integer
-        minimum = -(dmin[..., None] * mn).reshape(n, k // BLOCK)
-        return q.astype(np.uint8), scale.astype(np.float32), minimum.astype(np.float32)
-    if qtype == Q.Q6_K:  # 128 low nibbles, 64 bytes of 2 high bits, 16 int8 scales, d
-        ql = blocks[..., 0:128].reshape(n, k // 256, 2, 2, 32)  # [half, j, l]: bytes 64h+32j+l
-        qh = blocks[..., 128:192].reshape(n, k // 256, 2, 1, 32)
-        scales = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [n, blocks, 16]
-        d = _half(blocks[..., 208:210]).astype(np.float32)
-        # element 128h + 32i + l, i = 0..3: low nibble of ql[h][i % 2] (i < 2) or its high
-        # nibble (i >= 2), with bits 2i, 2i + 1 of qh[h] as bits 4 and 5
-        low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [n, b, h, 4, 32]
-        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-        q = low | (((qh >> shifts) & 3) << 4)
-        return (q.reshape(n, k).astype(np.uint8),
-                (d[..., None] * scales).reshape(n, k // 16).astype(np.float32), None)
-    raise DresdError(f"no native kernel for {qtype.name} weights")
+        scales = np.stack([sc.reshape(n, -1), mn.reshape(n, -1)], axis=-1)
+        return q.reshape(n, k).astype(np.uint8), d, dmin, scales
+    # Q6_K: 128 low nibbles, 64 bytes of 2 high bits, 16 int8 scales, d
+    ql = blocks[..., 0:128].reshape(n, k // 256, 2, 2, 32)  # [half, j, l]: bytes 64h+32j+l
+    qh = blocks[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+    # element 128h + 32i + l, i = 0..3: low nibble of ql[h][i % 2] (i < 2) or its high
+    # nibble (i >= 2), with bits 2i, 2i + 1 of qh[h] as bits 4 and 5
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=3)  # [n, b, h, 4, 32]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    q = low | (((qh >> shifts) & 3) << 4)
+    scales = blocks[..., 192:208].reshape(n, -1, 2)  # [n, blocks of 32, the two halves]
+    return q.reshape(n, k).astype(np.uint8), _half(blocks[..., 208:210]), None, scales
 
 
 def dequantize(qtype: Q, raw: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -176,20 +197,33 @@ def dequantize(qtype: Q, raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return d32 * q.astype(np.float32) + np.repeat(c.astype(np.float32), BLOCK, axis=1)
 
 
+def _by_panel(values: np.ndarray, panels: int) -> np.ndarray:
+    """[rows, columns] per output row -> [panel, column, bytes]: each column's 16 lanes side by
+    side, as the kernel loads them."""
+    values = values.reshape(panels, LANES, -1).transpose(0, 2, 1)
+    return np.ascontiguousarray(values).view(np.uint8).reshape(panels, values.shape[1], -1)
+
+
 def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     """uint8 tensor in `quant.c`'s layout: ceil(n / 32) groups of k / 32 blocks, each block
-    its panels' quants and scales one after the other."""
+    its panels' quants and scales one after the other (K-quants: a header per 256 k)."""
     layout = LAYOUTS[qtype]
-    q, d, c = unpack(qtype, raw, n, k)
+    if layout.kquant:
+        q, d, dmin, scales = unpack_k(qtype, raw, n, k)
+    else:
+        q, d, c = unpack(qtype, raw, n, k)
     groups, blocks = -(-n // GROUP), k // BLOCK
     panels = groups * PARTS
     padded = panels * LANES
-    if padded != n:  # zero rows: zero quants and scales, outputs the kernel drops
-        q = np.concatenate([q, np.zeros((padded - n, k), q.dtype)])
-        d = np.concatenate([d, np.zeros((padded - n, d.shape[1]), d.dtype)])
-        c = None if c is None else np.concatenate([c, np.zeros((padded - n, blocks), c.dtype)])
+
+    def pad(values: np.ndarray | None) -> np.ndarray | None:
+        """Zero rows up to whole groups: zero quants and scales, outputs the kernel drops."""
+        if values is None or padded == n:
+            return values
+        return np.concatenate([values, np.zeros((padded - n, *values.shape[1:]), values.dtype)])
+
+    q = pad(q).reshape(panels, LANES, blocks, BLOCK)
     # q [panel, lane, block, 32] -> [panel, block, register, lane, 4 bytes]
-    q = q.reshape(panels, LANES, blocks, BLOCK)
     if layout.nibbles:  # register r: low nibbles k = 8r + j, high nibbles 8r + 4 + j
         q = q.reshape(panels, LANES, blocks, 4, 2, 4)
         q = q[..., 0, :] | (q[..., 1, :] << 4)  # [panel, lane, block, r, j]
@@ -197,13 +231,22 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     else:
         quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         quants = quants.reshape(panels, blocks, 512)
+    if layout.kquant:  # per block: quants, then 16 + 16 integer scales
+        scales = pad(scales).reshape(panels, LANES, blocks, 2).transpose(0, 2, 3, 1)
+        per_block = np.concatenate([quants, scales.reshape(panels, blocks, 32)], axis=2)
+        headers = [_by_panel(pad(v).astype(np.float16), panels) for v in (d, dmin)
+                   if v is not None]  # [panel, superblock, 32]
+        header = np.concatenate(headers, axis=2)
+        supers = blocks // 8
+        per_block = per_block.reshape(groups, PARTS, supers, 8, -1).transpose(0, 2, 3, 1, 4)
+        header = header.reshape(groups, PARTS, supers, -1).transpose(0, 2, 1, 3)
+        packed = np.concatenate([header.reshape(groups, supers, -1),
+                                 per_block.reshape(groups, supers, -1)], axis=2)
+        return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
     scale_type = np.float16 if layout.half else np.float32
-    halves = 2 if layout.halves else 1  # d per 16 k: the block's first 16 scales, then the rest
-    parts = [quants, d.astype(scale_type).reshape(panels, LANES, blocks, halves)
-             .transpose(0, 2, 3, 1).reshape(panels, blocks, -1).copy().view(np.uint8)]
+    parts = [quants, _by_panel(pad(d).astype(scale_type), panels)]
     if layout.has_min:
-        parts.append(c.astype(scale_type).reshape(panels, LANES, blocks)
-                     .transpose(0, 2, 1).copy().view(np.uint8))
+        parts.append(_by_panel(pad(c).astype(scale_type), panels))
     packed = np.concatenate(parts, axis=2)  # [panel, block, bytes]
     assert packed.shape[2] == layout.block_bytes()
     packed = packed.reshape(groups, PARTS, blocks, -1).transpose(0, 2, 1, 3)  # group, block, part
