@@ -30,6 +30,7 @@ class GenerationResult:
     # Plain decoding (`ar`) only: its two best logits at each new token, so that another
     # method's divergence from it can be told a near-tie or not (decoding/verify.py).
     top2_logits: list[tuple[float, float]] | None = None
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled
 
 
 def summarize(results: Iterable[GenerationResult]) -> dict:

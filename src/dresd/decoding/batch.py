@@ -20,6 +20,13 @@ forward.py), acceptance reads only its own sequence's logits, and a sampled sequ
 from its own generator; so a sequence's output is the same whatever shares its forwards and
 whenever it arrived. Prompt chunks start at fixed multiples of `prefill_chunk`, never where the
 load puts them, so a prompt's cache is computed the same way in any batch.
+
+With a prefix cache (`decoding/prefix_cache.py`): when a request's first chunk is due, the
+longest cached prefix of its prompt (at most all but its last token, so the first token always
+comes from a row computed now) is copied into its KV buffer and its prefill starts after it.
+Its prompt's rows are cached once prefilled, and everything it committed when it ends. Exact
+where the forward's rows are row-invariant (the C decoder: `decoding/forward.py`): a cached
+row is the bits a fresh prefill of the same tokens writes, so hits change no output.
 """
 
 from __future__ import annotations
@@ -40,7 +47,14 @@ from dresd.decoding.budget import (
     restrict,
 )
 from dresd.decoding.drafter import DraftContext, Drafter
-from dresd.decoding.forward import Segment, SegmentOutput, make_forward, supports_tree_attention
+from dresd.decoding.forward import (
+    LlamaForward,
+    Segment,
+    SegmentOutput,
+    make_forward,
+    supports_tree_attention,
+)
+from dresd.decoding.prefix_cache import Hit, PrefixCache
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.stopping import StoppingRule
 from dresd.decoding.tree import DraftTree
@@ -72,6 +86,9 @@ class Request:
     # Cut its trees to the nodes that pay for their rows in the step's forward (`budget.py`),
     # where the engine has a cost curve; False: verify them as drafted (a fixed shape).
     budget: bool = True
+    # Requests share prefix cache entries only with requests of the same salt (a tenant's
+    # prompts cannot be timed by another tenant).
+    cache_salt: str = ""
 
 
 @dataclass
@@ -93,6 +110,8 @@ class Running:
     drafted: bool = False  # whether its drafter was consulted this step
     states: list[torch.Tensor] = field(default_factory=list)  # for a drafter that learns
     error: Exception | None = None  # what ended it, where its drafter failed
+    looked_up: bool = False  # whether the prefix cache was asked for its prompt
+    hold: Hit | None = None  # its lock on the prefix cache's entries of its own tokens
 
     @property
     def prompt_len(self) -> int:
@@ -108,10 +127,13 @@ class BatchEngine:
 
     def __init__(self, model: PreTrainedModel, max_batch_size: int = 16,
                  prefill_chunk: int = PREFILL_CHUNK, prefill_chunks_per_step: int = 1,
-                 cost: Callable[[int], float] | None = None) -> None:
+                 cost: Callable[[int], float] | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         """`cost(rows)`: a forward's cost in one-token steps (`calibrate.py`); given, every
         request that takes the budget has its tree cut to what pays (`budget.py`); None:
-        trees are verified as drafted."""
+        trees are verified as drafted. `prefix_cache`: keys and values shared across
+        requests (several engines of one model may share one); used on the batched Llama
+        forward, whose sequences are `SequenceKV` buffers."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.forward = make_forward(model)
@@ -127,6 +149,7 @@ class BatchEngine:
         self.cost = cost
         self.estimates = AcceptanceEstimates()  # learned from every tree verified here
         self.ledger = DraftingLedger()  # what drafting gains and costs, per method
+        self.prefix_cache = prefix_cache if isinstance(self.forward, LlamaForward) else None
 
     def add(self, request: Request) -> Running:
         """Queue a request; it joins the batch at a step when there is room."""
@@ -208,6 +231,7 @@ class BatchEngine:
                 state.prefilled += len(segment)
                 if state.prefilling:
                     continue
+                self._cache_prefix(state, state.prompt_len)
                 # 3a. The prompt's last position gives the first token.
                 state.result.prefill_seconds = clock(self.device) - state.started
                 state.query = output.hidden[-1]
@@ -233,11 +257,31 @@ class BatchEngine:
             self._finish(state)
 
     def _prompt_chunk(self, state: Running) -> Segment:
+        if not state.looked_up:
+            self._reuse_prefix(state)
         start = state.prefilled
         end = min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
         last = end == state.prompt_len
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
                        logits_rows="last" if last else "none", top2=state.request.record_top2)
+
+    def _reuse_prefix(self, state: Running) -> None:
+        """Start the prefill after the longest cached prefix of the prompt (its last token
+        is always computed afresh: it gives the first token)."""
+        state.looked_up = True
+        if self.prefix_cache is None:
+            return
+        request = state.request
+        state.hold = self.prefix_cache.lookup(request.prompt, request.cache_salt, state.cache,
+                                              limit=state.prompt_len - 1)
+        state.prefilled = state.result.cached_tokens = state.hold.length
+
+    def _cache_prefix(self, state: Running, rows: int) -> None:
+        """Cache the sequence's first `rows` tokens (their rows are committed in its buffer)."""
+        if self.prefix_cache is not None and rows > 0:
+            state.hold = self.prefix_cache.insert(state.context[:rows].tolist(),
+                                                  state.request.cache_salt, state.cache,
+                                                  hold=state.hold)
 
     def _draft(self, state: Running, decoding: int) -> None:
         """The drafter's drafts after the sequence's last token, merged into `state.tree`
@@ -347,6 +391,14 @@ class BatchEngine:
 
     def _finish(self, state: Running) -> None:
         self.running.remove(state)
+        if self.prefix_cache is not None:
+            # Rows committed before any step that may have failed midway: a prompt's
+            # prefilled chunks, else every token but the last (whose row the next step
+            # would write); a stop inside an accepted path leaves rows past the context.
+            committed = state.prefilled if state.prefilling else min(
+                state.n - 1, state.cache.length)
+            self._cache_prefix(state, committed)
+            self.prefix_cache.release(state.hold)
         result = state.result
         if state.states and state.error is None:  # a drafter that learns keeps what was said
             states = torch.cat(state.states)[: len(result.token_ids)]

@@ -59,6 +59,21 @@ class SequenceKV:
         """The first `end` rows of one layer as [1, kv_heads, end, head_dim] (no copy)."""
         return self.key_buffer[layer, None, :, :end], self.value_buffer[layer, None, :, :end]
 
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of rows [start, end) of every layer: keys, values [layers, kv_heads, t,
+        head_dim] (what the prefix cache keeps of a finished prompt or answer)."""
+        return (self.key_buffer[:, :, start:end].clone(),
+                self.value_buffer[:, :, start:end].clone())
+
+    def load(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows [start, start + t) of every layer from keys, values [layers, kv_heads,
+        t, head_dim] (a prefix cache hit) and make them the valid rows' end."""
+        end = start + keys.shape[2]
+        self.reserve(end)
+        self.key_buffer[:, :, start:end] = keys
+        self.value_buffer[:, :, start:end] = values
+        self.length = end
+
     def keep(self, prefix_len: int, kept_rows: list[int]) -> None:
         """Keep rows [0, prefix_len) and, after them in this order, rows prefix_len + r for r
         in `kept_rows` (a verified tree's accepted path, root first)."""
