@@ -1,7 +1,8 @@
 """What speculation can give on a model, from its verify-cost curve and recorded acceptance.
 
     PYTHONPATH=src python benchmarks/peers/gguf_projection.py --threads 1 \
-        --models default default-gguf FILE.gguf ... --reports benchmarks/results/hybrid/*/report.json
+        --models default default-gguf FILE.gguf ... \
+        --reports benchmarks/results/hybrid/*/report.json
 
 For each model, its verify-cost curve on this machine (`dresd calibrate`: cost(t) = seconds of a
 forward over a tree of t tokens / seconds of a one-token step; measured once and cached), and
