@@ -146,6 +146,32 @@ def test_chat_is_what_generate_prints(client, default_target, default_references
     assert reply.model_extra["dresd"]["method"] == "pld"
 
 
+def test_prefix_cache_hits_are_reported_and_change_nothing(server, client, default_references):
+    """The same chat again reads its prompt from the prefix cache (usage says how much, in
+    whole and streamed responses) and prints the same text; another `cache_salt` shares
+    nothing; /metrics counts it; POST /reset_prefix_cache empties the cache."""
+    question = "Name a colour of the rainbow, in one word."
+    expected = reference(default_references, question)
+    first = chat(client, question, extra_body={"cache_salt": "tenant-a"})
+    again = chat(client, question, extra_body={"cache_salt": "tenant-a"})
+    other = chat(client, question, extra_body={"cache_salt": "tenant-b"})
+    assert [r.choices[0].message.content for r in (first, again, other)] == [expected] * 3
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    pieces, _, usage = stream_chat(client, question, extra_body={"cache_salt": "tenant-a"})
+    assert "".join(pieces) == expected
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    assert metric(server.url, "dresd:prefix_cache_hits_total") >= 2 * (usage.prompt_tokens - 1)
+    assert metric(server.url, "dresd:prefix_cache_bytes") > 0
+    status, reply = raw_post(server.url, "/reset_prefix_cache", b"")
+    assert status == 200 and reply["freed_bytes"] > 0
+    assert metric(server.url, "dresd:prefix_cache_bytes") == 0
+    after = chat(client, question, extra_body={"cache_salt": "tenant-a"})
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.choices[0].message.content == expected
+
+
 def test_streamed_chat_is_the_whole_reply_in_pieces(client):
     whole = chat(client, QUESTIONS[1])
     pieces, finish, usage = stream_chat(client, QUESTIONS[1])

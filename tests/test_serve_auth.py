@@ -90,6 +90,20 @@ def test_no_key_is_401(servers):
         assert caught.value.code == 401
 
 
+def test_emptying_the_prefix_cache_takes_the_key(servers):
+    """POST /reset_prefix_cache is behind the key, --metrics-open or not."""
+    for server in servers:
+        for key, status in ((None, 401), ("sk-wrong", 401), (KEY, 200)):
+            headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+            request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"",
+                                             headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=30) as reply:
+                    assert reply.status == status
+            except urllib.error.HTTPError as err:
+                assert err.code == status
+
+
 def test_health_is_open_and_metrics_only_when_asked(servers):
     closed, open_metrics = servers
     for server in servers:

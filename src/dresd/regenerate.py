@@ -49,6 +49,9 @@ class RegenerateConfig:
     temperature: float = 0.0  # 0: greedy (default)
     seed: int = 0  # sampling seed (temperature > 0)
     limit: int | None = None  # the first this many prompts only
+    # prompts' and responses' keys and values kept for the prompts after (decoding/
+    # prefix_cache.py), at most this many MB; None: none. The output is the same either way.
+    prefix_cache_mb: float | None = None
 
 
 def count_done(out: Path) -> int:
@@ -198,8 +201,9 @@ _RUNNERS: dict[tuple[int, str, int], MethodRunner] = {}
 
 
 def _runner(target: Target, config: RegenerateConfig) -> MethodRunner:
-    key = (id(target), config.method, config.max_new_tokens)
+    key = (id(target), config.method, config.max_new_tokens, config.prefix_cache_mb)
     if key not in _RUNNERS:
         _RUNNERS[key] = MethodRunner(target, config.method,
-                                     GenerationSettings(config.max_new_tokens))
+                                     GenerationSettings(config.max_new_tokens),
+                                     prefix_cache_mb=config.prefix_cache_mb)
     return _RUNNERS[key]

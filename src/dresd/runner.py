@@ -6,7 +6,10 @@ transformers' own, row for row (`decoding/forward.py`; tested against `model.gen
 other methods are drafters (see `dresd.drafters`); `none` drafts nothing, as `ar` does.
 
 `generate` runs one prompt alone (single-stream); `generate_many` runs many prompts through
-one batch, `concurrency` of them at a time, as a server under that many clients would.
+one batch, `concurrency` of them at a time, as a server under that many clients would, with a
+prefix cache of its own where the runner has one (`prefix_cache_mb`): the prompts of one run
+share what they have in common, and every run starts cold, so that levels and rounds measure
+the same thing. `batch` engines (corpus regeneration's batches) share the runner's cache.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dresd.calibrate import cost_at, load_or_measure
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request
 from dresd.decoding.drafter import Drafter
+from dresd.decoding.prefix_cache import PrefixCache
 from dresd.drafters import make_drafter
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
@@ -65,13 +69,17 @@ class MethodRunner:
         settings: GenerationSettings,
         label: str | None = None,
         budget: bool | None = None,
+        prefix_cache_mb: float | None = None,
         **drafter_options,
     ) -> None:
         """`budget`: cut each step's tree to the nodes that pay by the machine's verify-cost
         curve (`decoding/budget.py`, measured once and cached); None (default): yes, unless
         `max_tree_nodes` fixes the tree's shape. False: verify the drafts as drafted (DReSD at
-        the paper's shape, say)."""
+        the paper's shape, say). `prefix_cache_mb`: the size of the batched runs' prefix
+        cache (`decoding/prefix_cache.py`); None: none (single-stream `generate` has none)."""
         self.target = target
+        self.prefix_cache_mb = prefix_cache_mb
+        self.prefix_cache = self.new_prefix_cache()
         self.method = method
         self.label = label or method  # its name in reports: "dresd[max_tree_nodes=2]"
         self.settings = settings
@@ -84,7 +92,7 @@ class MethodRunner:
         if self.budget:
             curve = load_or_measure(target)
             self.cost = lambda rows: cost_at(curve, rows)
-        self.engine = self.batch(1)  # reused prompt to prompt
+        self.engine = self.batch(1, prefix_cache=None)  # reused prompt to prompt
 
     def _new_drafter(self) -> Drafter:
         drafter = make_drafter("none" if self.method == AR else self.method,
@@ -118,9 +126,18 @@ class MethodRunner:
             # the reference keeps its logits' top two, to classify others' divergences
             record_top2=self.method == AR and self.settings.sampling is None)
 
-    def batch(self, max_batch_size: int) -> BatchEngine:
-        """A batched loop for this method's requests, with its cost curve."""
-        return BatchEngine(self.target.model, max_batch_size=max_batch_size, cost=self.cost)
+    def new_prefix_cache(self) -> PrefixCache | None:
+        """An empty prefix cache of the runner's size, or None where it has none."""
+        return None if self.prefix_cache_mb is None else PrefixCache(self.prefix_cache_mb)
+
+    def batch(self, max_batch_size: int, prefix_cache: PrefixCache | None | bool = True
+              ) -> BatchEngine:
+        """A batched loop for this method's requests, with its cost curve and a prefix cache
+        (True: the runner's own, shared by every such loop)."""
+        if prefix_cache is True:
+            prefix_cache = self.prefix_cache
+        return BatchEngine(self.target.model, max_batch_size=max_batch_size, cost=self.cost,
+                           prefix_cache=prefix_cache or None)
 
     def generate(self, prompt_ids: list[int]) -> GenerationResult:
         state = self.engine.add(self.request(prompt_ids))
@@ -131,7 +148,7 @@ class MethodRunner:
         """All prompts through one batch, at most `concurrency` generating at once (the rest
         queue and join as others finish). Each request drafts with its own fork of the
         drafter. A result's `prefill_seconds` counts from the moment all were submitted."""
-        engine = self.batch(concurrency)
+        engine = self.batch(concurrency, self.new_prefix_cache())
         states = [engine.add(self.request(ids, self.drafter.fork())) for ids in prompts]
         engine.run()
         return [state.result for state in states]

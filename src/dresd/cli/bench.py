@@ -14,12 +14,14 @@ from dresd.bench.report import build_report, markdown_table, write_report
 from dresd.bench.runner import run_bench
 from dresd.cli.options import (
     add_model_options,
+    add_prefix_cache_options,
     add_save_outputs_option,
     check_datastore_arg,
     check_limit,
     drafter_options,
     load_target_from_args,
     output_origin,
+    prefix_cache_mb,
     settings_from_args,
 )
 from dresd.corpus import output_row, save_output
@@ -54,6 +56,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             "in turn, and report the sum with the per-round spread of its "
                             "ratio to AR (default 1)")
     add_save_outputs_option(bench)  # AR's output per prompt: every method's, when greedy
+    add_prefix_cache_options(bench, "with --concurrency, each method's run at each level "
+                             "(from empty)")
     bench.set_defaults(func=run)
 
 
@@ -72,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
     check_datastore_arg(args)
     target = load_target_from_args(args)
     options = drafter_options(args, target, [method for _, method, _ in specs])
-    runners = [MethodRunner(target, method, settings, label, **{**options, **overrides})
+    cache_mb = prefix_cache_mb(args) if levels else None  # one prompt at a time: none
+    runners = [MethodRunner(target, method, settings, label, prefix_cache_mb=cache_mb,
+                            **{**options, **overrides})
                for label, method, overrides in specs]
     prompt_ids = [encode_prompt(target.tokenizer, p.text, not args.no_chat_template)
                   for p in prompts]

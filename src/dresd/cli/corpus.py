@@ -9,11 +9,13 @@ from pathlib import Path
 from dresd.cli.options import (
     add_device_option,
     add_dtype_option,
+    add_prefix_cache_options,
     add_ray_options,
     add_threads_option,
     check_limit,
     finite_float,
     load_target_from_args,
+    prefix_cache_mb,
     ray_pool,
     seed_int,
     set_threads,
@@ -49,6 +51,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     regen.add_argument("--seed", type=seed_int, default=0)
     regen.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     add_threads_option(regen)
+    add_prefix_cache_options(regen, "the batches share")
     add_ray_options(regen, "generate the batches")
     add_dtype_option(regen)
     add_device_option(regen)
@@ -66,7 +69,8 @@ def run_regenerate(args: argparse.Namespace) -> int:
     config = RegenerateConfig(prompt_field=args.prompt_field, response_field=args.response_field,
                               format=args.format, max_new_tokens=args.max_new_tokens,
                               batch_size=args.batch_size, temperature=args.temperature,
-                              seed=args.seed, limit=args.limit, method=args.method)
+                              seed=args.seed, limit=args.limit, method=args.method,
+                              prefix_cache_mb=prefix_cache_mb(args))
     read_prompt_rows(args.corpus, config)  # bad input fails before the model loads
     target = load_target_from_args(args)
     ray = ray_pool(args, target) if args.ray is not None else None

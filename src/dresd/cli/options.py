@@ -4,6 +4,7 @@
     add_dtype_option, add_device_option, add_threads_option
     add_ray_options         build, corpus regenerate
     add_save_outputs_option generate, bench, serve
+    add_prefix_cache_options serve, bench (--concurrency), corpus regenerate
 
 Every check of a value raises `UserError` before the model loads, so a bad value costs
 nothing and reads as one line.
@@ -21,6 +22,7 @@ import torch
 
 from dresd.datastore.format import open_manifest
 from dresd.decoding import SamplingConfig
+from dresd.decoding.prefix_cache import DEFAULT_MB
 from dresd.device import DEVICE_HELP, device_name
 from dresd.errors import UserError
 from dresd.fastpath import DTYPES, dtype_name
@@ -140,6 +142,22 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="--learn: outputs kept, oldest evicted first (default 1000)")
     p.add_argument("--suffix-cache-tokens", type=int, default=None, dest="max_cached_tokens",
                    help="--learn: tokens kept, oldest outputs evicted first (default 100000)")
+
+
+def add_prefix_cache_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--prefix-cache-mb", type=finite_float, default=DEFAULT_MB, metavar="MB",
+                   help=f"{what}: keys and values of prompts and answers kept for requests "
+                        f"that start the same way, at most this many MB (default {DEFAULT_MB}; "
+                        "outputs are the same with or without it)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="read every prompt afresh (no prefix cache)")
+
+
+def prefix_cache_mb(args: argparse.Namespace) -> float | None:
+    """The prefix cache's size in MB from --prefix-cache-mb, or None with --no-prefix-cache."""
+    if args.prefix_cache_mb < 0:
+        raise UserError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    return None if args.no_prefix_cache else args.prefix_cache_mb
 
 
 def set_threads(args: argparse.Namespace) -> None:

@@ -21,13 +21,16 @@ from pathlib import Path
 from dresd.bench.methods import METHODS
 from dresd.cli.options import (
     add_model_options,
+    add_prefix_cache_options,
     add_save_outputs_option,
     drafter_options,
     load_target_from_args,
     output_origin,
+    prefix_cache_mb,
     settings_from_args,
 )
 from dresd.corpus import output_row, save_output
+from dresd.decoding.prefix_cache import PrefixCache
 from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning
@@ -81,6 +84,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="with --ray: Ray Serve's autoscaling between --replicas and this "
                             "many, aiming at --max-batch-size requests in flight per replica")
     add_save_outputs_option(serve)
+    add_prefix_cache_options(serve, "shared by every request of the same cache_salt")
     serve.set_defaults(func=run)
 
 
@@ -99,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _ = build_app(args)
-    logging.getLogger("dresd.serve").info(
-        "API key: %s", "none" if not args.api_key else
-        "required (but GET /health%s)" % (" and /metrics" if args.metrics_open else ""))
+    app, engine = build_app(args)
+    log = logging.getLogger("dresd.serve")
+    log.info("API key: %s", "none" if not args.api_key else
+             "required (but GET /health%s)" % (" and /metrics" if args.metrics_open else ""))
+    log.info("prefix cache: %s", engine.prefix_cache_line())
     # uvicorn's own access log is off: RequestLog writes one line per request instead.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
@@ -121,6 +126,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.no_chat_template:
         raise UserError("serve: /v1/chat/completions uses the chat template and /v1/completions "
                         "the raw text; --no-chat-template does not apply")
+    prefix_cache_mb(args)  # a negative size is refused before anything loads
     if args.max_queue < 1:
         raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
@@ -177,9 +183,11 @@ def _build_app(args: argparse.Namespace, metrics, metrics_text):
     draft_model = {"model": options.pop("model")} if "model" in options else None
     budget = options.pop("budget", None) is not False
     drafters, names = load_drafters(target, args.datastore, options, draft_model)
+    cache_mb = prefix_cache_mb(args)
     engine = Engine(target, drafters, defaults, args.method, names, args.max_queue,
                     output_saver(target, args.save_outputs), max_batch_size=args.max_batch_size,
-                    budget=budget)
+                    budget=budget,
+                    prefix_cache=None if cache_mb is None else PrefixCache(cache_mb))
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     app = create_app(engine, served_model_name(args), model_aliases=(args.model,),

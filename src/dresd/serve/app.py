@@ -1,6 +1,7 @@
 """The HTTP layer: FastAPI routes over the engine, OpenAI's formats, errors, one log line each.
 
     POST /v1/completions, /v1/chat/completions   whole responses, or server-sent events
+    POST /reset_prefix_cache                     empty the prefix cache (vLLM's route)
     GET  /v1/models, /health, /metrics
 
 A request is checked (fields, method, datastore, context) before it is queued, so bad input
@@ -47,7 +48,13 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
     reports every replica's, ray_serve.py). `max_body_bytes`: larger bodies get 413 unread
     (default: `limits.default_body_limit` of the model's context)."""
     metrics = metrics if metrics is not None else ServerMetrics(model_name)
-    engine.on_step = metrics.record_step
+
+    def on_step(sequences: int, rows: int) -> None:
+        metrics.record_step(sequences, rows)
+        if engine.prefix_cache is not None:
+            metrics.record_prefix_cache(engine.prefix_cache.stats)
+
+    engine.on_step = on_step
     accepted_names = {model_name, *model_aliases}
 
     @asynccontextmanager
@@ -114,6 +121,15 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                 else metrics.render(engine.running, engine.waiting))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Empty the prefix cache (entries running requests hold stay until they end);
+        behind the API key like every route but /health."""
+        freed = await asyncio.to_thread(engine.clear_prefix_cache)
+        if engine.prefix_cache is not None:
+            metrics.record_prefix_cache(engine.prefix_cache.stats)
+        return {"freed_bytes": freed, "prefix_cache": engine.prefix_cache_line()}
+
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
         return await serve(body, body.max_tokens, "text", request)
@@ -149,7 +165,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                     body.top_k, body.seed, body.stop_strings())
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
-        job = Job(prompt_ids, plan, asyncio.get_running_loop())
+        job = Job(prompt_ids, plan, asyncio.get_running_loop(), body.cache_salt or "")
         engine.submit(job)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if body.ignored_fields():
@@ -224,7 +240,8 @@ class Generation:
         return protocol.finish_reason(self.result.stop_reason, self.pieces.stopped)
 
     def usage(self) -> dict:
-        return protocol.usage(len(self.job.prompt_ids), len(self.result.token_ids))
+        return protocol.usage(len(self.job.prompt_ids), len(self.result.token_ids),
+                              self.result.cached_tokens)
 
     def record(self) -> None:
         """The request's figures: into /metrics and its log line."""
@@ -236,6 +253,7 @@ class Generation:
         entry["finish"] = reason
         if self.result is not None:
             entry["tokens"] = len(self.result.token_ids)
+            entry["cached"] = self.result.cached_tokens
             entry["forwards"] = self.result.num_target_forwards
         if ttft is not None:
             entry["ttft_ms"] = round(ttft * 1000)

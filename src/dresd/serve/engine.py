@@ -34,6 +34,7 @@ from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request, Running
+from dresd.decoding.prefix_cache import PrefixCache
 from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
@@ -101,9 +102,11 @@ class Job:
     """One queued request. The worker thread posts ("tokens", [ids]), then ("done", result) or
     ("error", exception) to `events`, an asyncio queue read on the server's event loop."""
 
-    def __init__(self, prompt_ids: list[int], plan: Plan, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, prompt_ids: list[int], plan: Plan, loop: asyncio.AbstractEventLoop,
+                 cache_salt: str = "") -> None:
         self.prompt_ids = prompt_ids
         self.plan = plan
+        self.cache_salt = cache_salt  # prefix cache entries are shared within a salt only
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -136,8 +139,12 @@ class Engine:
         on_finished: Callable[[list[int], GenerationResult], None] | None = None,
         max_batch_size: int = 16,
         budget: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
+        # keys and values of prompts and answers, shared by every request (and kept when a
+        # failed step replaces the batch: what it holds was committed by finished steps)
+        self.prefix_cache = prefix_cache
         # (method, datastore name or None) -> the drafter built from the command line's options
         self.drafters = drafters
         self.defaults = defaults
@@ -245,11 +252,24 @@ class Engine:
         their own per-generation state."""
         drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
-                            on_tokens=job.on_tokens, budget=self.budget)
+                            on_tokens=job.on_tokens, budget=self.budget,
+                            cache_salt=job.cache_salt)
 
     def batch(self) -> BatchEngine:
         return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,
-                           cost=self.cost)
+                           cost=self.cost, prefix_cache=self.prefix_cache)
+
+    def prefix_cache_line(self) -> str:
+        """The prefix cache's size and hit rate, for the log."""
+        if self.prefix_cache is None:
+            return "off"
+        stats = self.prefix_cache.stats
+        return (f"{stats.capacity_bytes / 2**20:.0f} MB, {stats.bytes / 2**20:.1f} MB held, "
+                f"hit rate {stats.hit_rate:.1%} of {stats.queries} prompt tokens")
+
+    def clear_prefix_cache(self) -> int:
+        """Empty the prefix cache (but what running requests hold); returns bytes freed."""
+        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     def _work(self) -> None:
         batch = self.batch()

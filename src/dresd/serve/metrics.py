@@ -10,12 +10,15 @@ project's vocabulary and formulas (`dresd.metrics.summarize`), pooled over every
 - per-position acceptance at position p (0-based) = steps that accepted at least p+1 draft
   tokens / steps whose draft tree reached depth p+1
 - generation tokens/s = generated tokens / seconds spent generating (prefill included)
+- prefix cache hit rate = prompt tokens found in the prefix cache / prompt tokens looked up
+  (vLLM's `prefix_cache_queries` and `prefix_cache_hits`, in tokens)
 
 Everything here is updated on the server's event loop only, so it needs no lock.
 """
 
 from __future__ import annotations
 
+from dresd.decoding.prefix_cache import PrefixCacheStats
 from dresd.metrics import GenerationResult
 
 PREFIX = "dresd:"
@@ -69,6 +72,12 @@ class ServerMetrics:
         self.accepted_at: list[int] = []  # [p]: steps that accepted at least p+1 draft tokens
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
+        # the prefix cache's counters, as it last reported them (`record_prefix_cache`)
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of those, found cached
+        self.prefix_cache_evictions = 0  # entries evicted
+        self.prefix_cache_bytes = 0  # held now
+        self.prefix_cache_capacity_bytes = 0
 
     def record_finished(self, reason: str, prompt_tokens: int, result: GenerationResult | None,
                         ttft: float | None, seconds: float) -> None:
@@ -100,6 +109,13 @@ class ServerMetrics:
         self.batch_forwards += 1
         self.batch_sequences += sequences
         self.batch_rows += rows
+
+    def record_prefix_cache(self, stats: PrefixCacheStats) -> None:
+        """The prefix cache's counters now (they are its own totals: set, not added)."""
+        self.prefix_cache_queries, self.prefix_cache_hits = stats.queries, stats.hits
+        self.prefix_cache_evictions = stats.evictions
+        self.prefix_cache_bytes = stats.bytes
+        self.prefix_cache_capacity_bytes = stats.capacity_bytes
 
     def record_rejected(self, status: int) -> None:
         self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
@@ -183,6 +199,19 @@ class ServerMetrics:
                "Per-position acceptance: accepted at this position / reached it.",
                [(f'position="{p}",', a / r if r else 0.0)
                 for p, (a, r) in enumerate(zip(self.accepted_at, self.reached, strict=True))])
+        metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+               [("", self.prefix_cache_queries)])
+        metric("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.",
+               [("", self.prefix_cache_hits)])
+        metric("prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries, in tokens.",
+               [("", self.prefix_cache_hits / self.prefix_cache_queries
+                 if self.prefix_cache_queries else 0.0)])
+        metric("prefix_cache_evictions", "counter", "Prefix cache entries evicted for room.",
+               [("", self.prefix_cache_evictions)])
+        metric("prefix_cache_bytes", "gauge", "Bytes of keys and values the prefix cache holds.",
+               [("", self.prefix_cache_bytes)])
+        metric("prefix_cache_capacity_bytes", "gauge", "The prefix cache's size (0: off).",
+               [("", self.prefix_cache_capacity_bytes)])
         speed = (self.generation_tokens / self.generation_seconds if self.generation_seconds
                  else 0.0)
         metric("avg_generation_throughput_toks_per_s", "gauge",

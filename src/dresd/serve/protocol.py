@@ -4,6 +4,8 @@ Requests are pydantic models, so a field of the wrong type is a 400 with the fie
 Fields this server does not know are ignored (and logged), as vLLM does. Besides OpenAI's
 fields a request may carry dresd's own in the body (the `openai` client's `extra_body`):
 `method`, `datastore`, `top_k` and the drafter options in `engine.REQUEST_DRAFTER_OPTIONS`.
+`cache_salt` (vLLM's and OpenAI's name) keeps a request's prefix cache entries to the requests
+with the same salt.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: Any = None
+    cache_salt: str | None = None  # prefix cache entries shared only within one salt
     # dresd's own, from the request body
     method: str | None = None
     datastore: str | None = None
@@ -187,9 +190,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens read from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
