@@ -31,6 +31,8 @@
  *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
  *                    high nibble q[n][32b + 8r + 4 + j];
  *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
+ *           six bits (Q6_K): the nibbles' 4 x 64 bytes of q & 15, then 2 x 64 bytes of q >> 4,
+ *                    register P, lane n, byte j, bits 2t, 2t + 1: q[n][32b + 4(4P + t) + j] >> 4;
  *   d       16 scales (float16, as the file keeps them);
  *   c       16 minimums (float16; types with a minimum only).
  * K-quants keep their scales as the file does, as small integers under a float16 scale per 256
@@ -61,9 +63,10 @@ typedef struct {
     int offset;
     int halves;      /* 1: d per 16 k (two sets per block, each half's dot apart) */
     int kquant;      /* 1: superblock headers and integer scales (see the header) */
+    int six;         /* 1: nibbles and a plane of 2-bit high parts (Q6_K) */
 } QLayout;
 
-static inline int64_t quant_bytes(QLayout l) { return l.nibbles ? 256 : 512; }
+static inline int64_t quant_bytes(QLayout l) { return l.six ? 384 : l.nibbles ? 256 : 512; }
 static inline int64_t scale_bytes(QLayout l) {
     return l.kquant ? 32 : (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
 }
@@ -159,6 +162,18 @@ static inline __attribute__((always_inline)) void qtile(
                     w[p][2 * r] = _mm512_and_si512(packed, low_nibbles);
                     w[p][2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
                 }
+                if (l.six) { /* bits 4 and 5 of register r from the plane: a byte's bits 2t.. */
+                    const __m512i two_bits = _mm512_set1_epi8(0x03);
+                    for (int plane = 0; plane < 2; plane++) {
+                        __m512i high = _mm512_loadu_si512(block + 256 + 64 * plane);
+                        for (int t = 0; t < 4; t++) {
+                            __m512i bits = _mm512_and_si512(_mm512_srli_epi16(high, 2 * t),
+                                                            two_bits);
+                            w[p][4 * plane + t] = _mm512_or_si512(w[p][4 * plane + t],
+                                                                  _mm512_slli_epi16(bits, 4));
+                        }
+                    }
+                }
             } else {
                 for (int r = 0; r < 8; r++) w[p][r] = _mm512_loadu_si512(block + 64 * r);
             }
@@ -244,7 +259,7 @@ static const QLayout LAYOUTS[] = {
     {0, 1, 1, 0},    /* 4: Q5_1  bytes, float16 d and m */
     {1, 1, 1, 0, 0, 1},  /* 5: Q4_K  nibbles, dsuper and dmin, six-bit scales, minimums */
     {0, 1, 1, 0, 0, 1},  /* 6: Q5_K  bytes, the same scales */
-    {0, 1, 0, 32, 1, 1}, /* 7: Q6_K  bytes (0..63), dsuper, int8 scales per 16, q - 32 */
+    {1, 1, 0, 32, 1, 1, 1}, /* 7: Q6_K  six bits (0..63), dsuper, int8 scales per 16, q - 32 */
 };
 
 #define QTILE_CASES(L) \

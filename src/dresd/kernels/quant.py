@@ -49,10 +49,14 @@ class Layout:
     offset: int = 0
     halves: bool = False  # d per 16 k (Q6_K), else per 32
     kquant: bool = False  # superblock headers and integer scales (K-quants)
+    six: bool = False  # nibbles and a plane of 2-bit high parts (Q6_K)
+
+    def quant_bytes(self) -> int:
+        return 384 if self.six else 256 if self.nibbles else 512
 
     def block_bytes(self) -> int:
         if self.kquant:
-            return (256 if self.nibbles else 512) + 32
+            return self.quant_bytes() + 32
         scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
         return (256 if self.nibbles else 512) + scales
 
@@ -66,8 +70,8 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q5_1: Layout(4, nibbles=False, half=True, has_min=True),
     Q.Q4_K: Layout(5, nibbles=True, half=True, has_min=True, kquant=True),
     Q.Q5_K: Layout(6, nibbles=False, half=True, has_min=True, kquant=True),
-    Q.Q6_K: Layout(7, nibbles=False, half=True, has_min=False, offset=32, halves=True,
-                   kquant=True),
+    Q.Q6_K: Layout(7, nibbles=True, half=True, has_min=False, offset=32, halves=True,
+                   kquant=True, six=True),
 }
 
 
@@ -225,9 +229,14 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     q = pad(q).reshape(panels, LANES, blocks, BLOCK)
     # q [panel, lane, block, 32] -> [panel, block, register, lane, 4 bytes]
     if layout.nibbles:  # register r: low nibbles k = 8r + j, high nibbles 8r + 4 + j
-        q = q.reshape(panels, LANES, blocks, 4, 2, 4)
-        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [panel, lane, block, r, j]
-        quants = q.transpose(0, 2, 3, 1, 4).reshape(panels, blocks, 256)
+        low = (q & 0x0F).reshape(panels, LANES, blocks, 4, 2, 4)
+        low = low[..., 0, :] | (low[..., 1, :] << 4)  # [panel, lane, block, r, j]
+        quants = low.transpose(0, 2, 3, 1, 4).reshape(panels, blocks, 256)
+        if layout.six:  # plane P, lane n, byte j: bits 2t, 2t + 1 = q[4(4P + t) + j] >> 4
+            high = (q >> 4).reshape(panels, LANES, blocks, 2, 4, 4)  # [.., P, t, j]
+            plane = sum(high[..., t, :] << (2 * t) for t in range(4)).astype(np.uint8)
+            quants = np.concatenate(
+                [quants, plane.transpose(0, 2, 3, 1, 4).reshape(panels, blocks, 128)], axis=2)
     else:
         quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         quants = quants.reshape(panels, blocks, 512)
