@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.errors import DresdError
+from dresd.host import cache_dir
 from dresd.kernels import quant
 from dresd.kernels.linear import InvariantLinear
 from dresd.kernels.linear import kernel as linear_kernel
@@ -225,6 +227,34 @@ class _FloatHead(torch.nn.Module):
         return self.layer(x.float())
 
 
+def config_and_tokenizer(path: Path) -> tuple[AutoConfig, PreTrainedTokenizerBase]:
+    """The file's transformers config and tokenizer. transformers reads both from the file's
+    metadata, parsing its vocabulary each time (~8 s for a 49k vocabulary); so the first load
+    saves them in the cache, keyed by the file's path, size and modification time, and later
+    loads read that folder (well under a second)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    folder = cache_dir() / "gguf" / key.hexdigest()[:24]
+    if (folder / "config.json").exists():
+        return (AutoConfig.from_pretrained(folder),
+                AutoTokenizer.from_pretrained(folder))
+    settings = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    config = AutoConfig.for_model(**settings)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as err:
+        raise GGUFError(f"{path}: its tokenizer could not be read ({err}).") from err
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            Path(staging).rename(folder)  # atomic: the cache holds a whole folder or none
+        except OSError:
+            pass  # another process saved it first
+    return config, tokenizer
+
+
 def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, str]:
     """(model, tokenizer, fingerprint, what runs its linears) for a GGUF file."""
     reader = open_gguf(path)
@@ -237,12 +267,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
                         "a CPU with AVX-512 bf16 and VNNI and a C compiler; this machine has "
                         "not got them (see `dresd --version`).")
     tensors = _Tensors(reader, path)
-    settings = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-    config = AutoConfig.for_model(**settings)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as err:
-        raise GGUFError(f"{path}: its tokenizer could not be read ({err}).") from err
+    config, tokenizer = config_and_tokenizer(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
