@@ -227,13 +227,14 @@ class _FloatHead(torch.nn.Module):
         return self.layer(x.float())
 
 
-def config_and_tokenizer(path: Path) -> tuple[AutoConfig, PreTrainedTokenizerBase]:
+def config_and_tokenizer(path: Path, reader: GGUFReader
+                         ) -> tuple[AutoConfig, PreTrainedTokenizerBase]:
     """The file's transformers config and tokenizer. transformers reads both from the file's
     metadata, parsing its vocabulary each time (~8 s for a 49k vocabulary); so the first load
-    saves them in the cache, keyed by the file's path, size and modification time, and later
-    loads read that folder (well under a second)."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    saves them in the cache, keyed by the metadata's bytes (everything before the tensors'
+    data: the same for every copy of the file), and later loads read that folder."""
+    with open(path, "rb") as file:
+        key = hashlib.sha256(file.read(reader.data_offset))
     folder = cache_dir() / "gguf" / key.hexdigest()[:24]
     if (folder / "config.json").exists():
         return (AutoConfig.from_pretrained(folder),
@@ -267,7 +268,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
                         "a CPU with AVX-512 bf16 and VNNI and a C compiler; this machine has "
                         "not got them (see `dresd --version`).")
     tensors = _Tensors(reader, path)
-    config, tokenizer = config_and_tokenizer(path)
+    config, tokenizer = config_and_tokenizer(path, reader)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
