@@ -203,3 +203,11 @@ def test_cli_generates_from_a_gguf_file(tiny_files, capsys):
     assert code == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["num_new_tokens"] == 6
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_packing_in_slices_of_rows_gives_the_same_bytes(qtype, monkeypatch):
+    n, k = 200, 256  # 200 rows: slices of 64, the last one part of a group
+    raw = raw_tensor(qtype, n, k, seed=4)
+    monkeypatch.setattr(quant, "PACK_ROWS", 64)
+    assert torch.equal(quant.pack_rows(qtype, raw, n, k), quant.pack(qtype, raw, n, k))

@@ -262,6 +262,26 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
+PACK_ROWS = 64 * GROUP  # rows packed at a time: numpy's temporaries stay a few MB
+
+
+def pack_rows(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    """`pack`, a slice of whole groups of rows at a time into one buffer: the same bytes (groups
+    are independent), without the several row-sized temporaries of a large tensor at once."""
+    if n <= PACK_ROWS:
+        return pack(qtype, raw, n, k)
+    group_bytes = LAYOUTS[qtype].block_bytes() * PARTS * (k // BLOCK)
+    group_bytes += (k // 256) * PARTS * (64 if LAYOUTS[qtype].has_min else 32) * (
+        LAYOUTS[qtype].kquant)
+    packed = torch.empty(-(-n // GROUP) * group_bytes, dtype=torch.uint8)
+    for first in range(0, n, PACK_ROWS):
+        rows = min(PACK_ROWS, n - first)
+        part = pack(qtype, np.asarray(raw[first:first + rows]), rows, k)
+        start = first // GROUP * group_bytes
+        packed[start:start + part.numel()] = part
+    return packed
+
+
 def linear(x: torch.Tensor, qtype: Q, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
            ) -> torch.Tensor:
@@ -295,7 +315,7 @@ class QuantLinear(torch.nn.Module):
                              f"hold {raw.shape[0]} rows of {raw.shape[-1]} bytes")
         self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
         self.out_dtype = out_dtype
-        self.register_buffer("packed", pack(qtype, raw, out_features, in_features),
+        self.register_buffer("packed", pack_rows(qtype, raw, out_features, in_features),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(),
                              persistent=False)
