@@ -172,6 +172,47 @@ def test_prefix_cache_hits_are_reported_and_change_nothing(server, client, defau
     assert after.choices[0].message.content == expected
 
 
+def test_logprobs_are_plain_decodings_for_every_method(client):
+    """`logprobs` / `top_logprobs` (chat) and `logprobs` (completions), whole and streamed:
+    each method reports plain decoding's (`ar`) log-probabilities for the same tokens."""
+    question = QUESTIONS[2]
+
+    def chat_logprobs(method: str):
+        reply = chat(client, question, logprobs=True, top_logprobs=3,
+                     extra_body={"method": method})
+        return reply.choices[0].message.content, reply.choices[0].logprobs.content
+
+    text, plain = chat_logprobs("ar")
+    assert "".join(entry.token for entry in plain) == text
+    for entry in plain:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob
+        assert entry.bytes == list(entry.token.encode())
+    for method in ("pld", "suffix", "hybrid"):
+        other_text, other = chat_logprobs(method)
+        assert other_text == text
+        assert [e.token for e in other] == [e.token for e in plain]
+        assert [e.logprob for e in other] == pytest.approx([e.logprob for e in plain], abs=1e-4)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        max_tokens=MAX_TOKENS, stream=True, logprobs=True, top_logprobs=2)
+    streamed = [entry for chunk in stream for choice in chunk.choices
+                if choice.logprobs and choice.logprobs.content
+                for entry in choice.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in plain]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in plain], abs=1e-4)
+    completion = client.completions.create(model="SmolLM2-135M-Instruct", prompt="One, two,",
+                                           max_tokens=6, logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert len(logprobs.token_logprobs) == len(logprobs.tokens) == len(logprobs.top_logprobs)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        chat(client, question, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="from 0 to 20"):
+        chat(client, question, logprobs=True, top_logprobs=50)
+
+
 def test_streamed_chat_is_the_whole_reply_in_pieces(client):
     whole = chat(client, QUESTIONS[1])
     pieces, finish, usage = stream_chat(client, QUESTIONS[1])

@@ -20,6 +20,17 @@ class StepRecord:
 
 
 @dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the model's own distribution at the row that
+    chose it (softmax of the raw logits: before temperature, top-k or top-p), and the `top`
+    most likely tokens there with theirs, best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class GenerationResult:
     token_ids: list[int]  # the new tokens only, as plain decoding would have produced them
     steps: list[StepRecord] = field(default_factory=list)
@@ -31,6 +42,7 @@ class GenerationResult:
     # method's divergence from it can be told a near-tie or not (decoding/verify.py).
     top2_logits: list[tuple[float, float]] | None = None
     cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled
+    logprobs: list[TokenLogprob] | None = None  # per new token, where the request asked
 
 
 def summarize(results: Iterable[GenerationResult]) -> dict:

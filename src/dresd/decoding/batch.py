@@ -2,8 +2,9 @@
 
     admit waiting requests (up to `max_batch_size` running)
     loop, one step:
-      1. every running sequence contributes its rows: a prompt chunk while it prefills, else
-         its drafter's drafts after its last token, merged into a token tree
+      1. every running sequence contributes its rows: a prompt chunk while it prefills (as
+         many chunks as fit in `prefill_chunk` x `prefill_chunks_per_step` rows, the first
+         always), else its drafter's drafts after its last token, merged into a token tree
       2. one forward over every sequence's rows (`decoding/forward.py`): each row sees its own
          sequence's cache and its own ancestors
       3. per sequence: a prompt's last chunk gives the first token; a tree gives the longest
@@ -55,7 +56,7 @@ from dresd.decoding.forward import (
     supports_tree_attention,
 )
 from dresd.decoding.prefix_cache import Hit, PrefixCache
-from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
+from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample, token_logprobs
 from dresd.decoding.stopping import StoppingRule
 from dresd.decoding.tree import DraftTree
 from dresd.decoding.verify import greedy_accept, sampling_accept
@@ -83,6 +84,9 @@ class Request:
     # Greedy only: keep the two best logits behind every emitted token (result.top2_logits),
     # so that another method's divergence from this output can be told a near-tie or not.
     record_top2: bool = False
+    # Keep each emitted token's log-probability and this many alternatives (result.logprobs),
+    # from the logits row that chose it; None: none.
+    logprobs: int | None = None
     # Cut its trees to the nodes that pay for their rows in the step's forward (`budget.py`),
     # where the engine has a cost curve; False: verify them as drafted (a fixed shape).
     budget: bool = True
@@ -168,7 +172,8 @@ class BatchEngine:
                                   request.stop_strings, request.tokenizer),
             generator=sampling.generator(self.device) if sampling else None,
             result=GenerationResult(token_ids=[],
-                                    top2_logits=[] if request.record_top2 else None),
+                                    top2_logits=[] if request.record_top2 else None,
+                                    logprobs=[] if request.logprobs is not None else None),
             started=clock(self.device),
         )
         self.waiting.append(state)
@@ -193,11 +198,14 @@ class BatchEngine:
         # 1. Every running sequence's rows: a prompt chunk, or its draft tree.
         members, chunks, failed = [], {}, []
         decoding = sum(not state.prefilling for state in self.running)
+        room = self.prefill_chunk * self.prefill_chunks_per_step  # prompt rows in this step
         for state in self.running:
             if state.prefilling:
-                if len(chunks) == self.prefill_chunks_per_step:
+                rows = self._next_chunk_rows(state)
+                if chunks and rows > room:
                     continue  # its next chunk waits for a later step
                 chunks[id(state)] = self._prompt_chunk(state)
+                room -= rows
             else:
                 try:
                     self._draft(state, decoding)
@@ -237,7 +245,7 @@ class BatchEngine:
                 state.query = output.hidden[-1]
                 state.states.append(output.hidden[-1:])
                 emitted = [self._choose(state, output)]
-                self._record_top2(state, output, [-1])
+                self._record(state, output, [-1], emitted)
             else:
                 emitted = self._accept(state, segment, output, forward_started)
             # 5. Emit, stop where plain decoding stops.
@@ -256,11 +264,26 @@ class BatchEngine:
             state.result.stop_reason = "cancelled"
             self._finish(state)
 
+    def _chunk_end(self, start: int, state: Running) -> int:
+        """Where the prompt chunk starting at `start` ends: at the next multiple of
+        `prefill_chunk`, or the prompt's end."""
+        return min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+
+    def _next_chunk_rows(self, state: Running) -> int:
+        """The rows of the sequence's next prompt chunk (before its first, after the prefix
+        the cache holds now, without taking it)."""
+        start = state.prefilled
+        if not state.looked_up and self.prefix_cache is not None:
+            start = self.prefix_cache.match_length(state.request.prompt,
+                                                   state.request.cache_salt,
+                                                   limit=state.prompt_len - 1)
+        return self._chunk_end(start, state) - start
+
     def _prompt_chunk(self, state: Running) -> Segment:
         if not state.looked_up:
             self._reuse_prefix(state)
         start = state.prefilled
-        end = min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+        end = self._chunk_end(start, state)
         last = end == state.prompt_len
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
                        logits_rows="last" if last else "none", top2=state.request.record_top2)
@@ -344,7 +367,6 @@ class BatchEngine:
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
                                           state.generator)
-        self._record_top2(state, output, path)  # the rows that chose each token
         self.estimates.observe(state.request.drafter.name, tree, path)
         if state.drafted and self.cost is not None:  # what drafting cost: itself, its rows
             rows = self.last_step[1]
@@ -364,12 +386,21 @@ class BatchEngine:
             # the whole step's forward, shared by every sequence in it, and this acceptance
             verify_seconds=clock(self.device) - forward_started,
         ))
-        return [tree.tokens[node] for node in path[1:]] + [bonus]
+        emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
+        self._record(state, output, path, emitted)  # the rows that chose each token
+        return emitted
 
     @staticmethod
-    def _record_top2(state: Running, output: SegmentOutput, rows: list[int]) -> None:
-        if state.result.top2_logits is not None:
-            state.result.top2_logits.extend(output.top2[row] for row in rows)
+    def _record(state: Running, output: SegmentOutput, rows: list[int],
+                tokens: list[int]) -> None:
+        """What the request keeps of the logits rows that chose `tokens`: their two best
+        logits (the exactness check's record) and their log-probabilities."""
+        result = state.result
+        if result.top2_logits is not None:
+            result.top2_logits.extend(output.top2[row] for row in rows)
+        if result.logprobs is not None:
+            result.logprobs.extend(token_logprobs(output.logits[rows], tokens,
+                                                  state.request.logprobs))
 
     def _emit(self, state: Running, emitted: list[int]) -> bool:
         """Append the step's tokens; True when the sequence is done."""
@@ -404,7 +435,8 @@ class BatchEngine:
             states = torch.cat(state.states)[: len(result.token_ids)]
             state.request.drafter.observe(list(state.request.prompt), result.token_ids, states)
         result.num_target_forwards = (1 if state.query is not None else 0) + len(result.steps)
-        if result.top2_logits is not None:  # rows past a stop were computed, not emitted
-            del result.top2_logits[len(result.token_ids):]
+        for kept in (result.top2_logits, result.logprobs):  # rows past a stop: not emitted
+            if kept is not None:
+                del kept[len(result.token_ids):]
         result.total_seconds = clock(self.device) - state.started
         state.cache = None

@@ -119,6 +119,12 @@ class PrefixCache:
             self.stats.hits += length
             return Hit(length, node)
 
+    def match_length(self, tokens: Sequence[int], salt: str, limit: int) -> int:
+        """How many tokens of `tokens[:limit]` a `lookup` would find now (nothing copied,
+        locked or counted)."""
+        with self._lock:
+            return self._walk(salt, tokens[:limit])[1]
+
     def release(self, hit: Hit | None) -> None:
         """Unlock the path a `lookup` (or `insert`) locked."""
         if hit is not None and hit.node is not None:

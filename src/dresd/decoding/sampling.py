@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dresd.errors import UserError
+from dresd.metrics import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -119,3 +120,18 @@ def top_two(logits: torch.Tensor) -> torch.Tensor:
     if tail.shape[-1]:
         candidates.append(tail.topk(min(2, tail.shape[-1]), dim=-1).values)
     return torch.cat(candidates, -1).topk(2, dim=-1).values.view(*logits.shape[:-1], 2)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Per row of logits [rows, vocab]: the log-probability of `tokens[row]` and the `top` most
+    likely tokens with theirs, under softmax of the logits as the forward gave them (a verify
+    row's logits are a plain decode step's on the row-invariant path, so these are too)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    best = [[] for _ in tokens]
+    if top > 0:
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+        best = [list(zip(row_ids, row_values, strict=True))
+                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprob(token, logprob, alternatives) for token, logprob, alternatives
+            in zip(tokens, chosen.tolist(), best, strict=True)]

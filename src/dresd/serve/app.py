@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dresd.metrics import GenerationResult, summarize
+from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
 from dresd.serve.engine import Engine, Job, RequestError, check_context, request_settings
@@ -165,7 +165,8 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                     body.top_k, body.seed, body.stop_strings())
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
-        job = Job(prompt_ids, plan, asyncio.get_running_loop(), body.cache_salt or "")
+        job = Job(prompt_ids, plan, asyncio.get_running_loop(), body.cache_salt or "",
+                  body.logprobs_wanted())
         engine.submit(job)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if body.ignored_fields():
@@ -201,6 +202,9 @@ class Generation:
         self.pieces = protocol.IncrementalText(tokenizer, stop)
         self.first_token_at: float | None = None
         self.result: GenerationResult | None = None
+        self.tokenizer = tokenizer
+        self.pending: list[TokenLogprob] = []  # logprobs of tokens not yet sent (streaming)
+        self.text_offset = 0  # characters of the tokens whose logprobs were sent
 
     async def pieces_of_text(self) -> AsyncIterator[str]:
         """The text as the worker's events come in; ends with the finished text's last piece.
@@ -221,7 +225,9 @@ class Generation:
                 if kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = perf_counter()
-                    piece = self.pieces.add(payload)
+                    tokens, entries = payload
+                    self.pending.extend(entries or [])
+                    piece = self.pieces.add(tokens)
                     if piece:
                         yield piece
                 elif kind == "error":
@@ -258,6 +264,24 @@ class Generation:
         if ttft is not None:
             entry["ttft_ms"] = round(ttft * 1000)
 
+    def logprobs(self, kind: str, entries: list[TokenLogprob]) -> dict | None:
+        """The choice's `logprobs` for these tokens (special tokens such as the end of the
+        sequence left out, as the text leaves them out), or None where none were asked for."""
+        if self.job.logprobs is None:
+            return None
+        special = set(self.tokenizer.all_special_ids)
+        entries = [entry for entry in entries if entry.token not in special]
+        if kind == "chat":
+            return protocol.chat_logprobs(entries, self.tokenizer)
+        body = protocol.completion_logprobs(entries, self.tokenizer, self.text_offset)
+        self.text_offset += sum(len(token) for token in body["tokens"])
+        return body
+
+    def sent_logprobs(self, kind: str) -> dict | None:
+        """The logprobs of the tokens received since the last chunk (streaming)."""
+        entries, self.pending = self.pending, []
+        return self.logprobs(kind, entries)
+
     def figures(self) -> dict:
         figures = summarize([self.result])
         keys = ("num_target_forwards", "mean_accepted_length", "acceptance_rate",
@@ -273,7 +297,7 @@ class Generation:
             self.record()
         return JSONResponse(protocol.completion_body(
             kind, self.request_id, self.created, model, text, self.finish_reason(), self.usage(),
-            self.figures()))
+            self.figures(), self.logprobs(kind, self.result.logprobs or [])))
 
     async def sse(self, kind: str, model: str, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: OpenAI's chunks, then `data: [DONE]`. An error after the
@@ -286,9 +310,11 @@ class Generation:
             if kind == "chat":  # the assistant's role first, as OpenAI and vLLM send it
                 yield event(protocol.chunk_body(kind, *ids, "", None, first=True))
             async for piece in self.pieces_of_text():
-                yield event(protocol.chunk_body(kind, *ids, piece, None))
+                yield event(protocol.chunk_body(kind, *ids, piece, None,
+                                                logprobs=self.sent_logprobs(kind)))
             final = "" if kind == "text" else None
-            yield event(protocol.chunk_body(kind, *ids, final, self.finish_reason()))
+            yield event(protocol.chunk_body(kind, *ids, final, self.finish_reason(),
+                                            logprobs=self.sent_logprobs(kind)))
             if include_usage:
                 yield event(protocol.usage_chunk(kind, *ids, self.usage()))
         except ClientGone:

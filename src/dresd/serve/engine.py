@@ -99,14 +99,18 @@ def on_a_passing_thread(function: Callable[..., T], *args, **kwargs) -> T:
 
 
 class Job:
-    """One queued request. The worker thread posts ("tokens", [ids]), then ("done", result) or
-    ("error", exception) to `events`, an asyncio queue read on the server's event loop."""
+    """One queued request. The worker thread posts ("tokens", ([ids], [TokenLogprob] or None)),
+    then ("done", result) or ("error", exception) to `events`, an asyncio queue read on the
+    server's event loop."""
 
     def __init__(self, prompt_ids: list[int], plan: Plan, loop: asyncio.AbstractEventLoop,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", logprobs: int | None = None) -> None:
         self.prompt_ids = prompt_ids
         self.plan = plan
         self.cache_salt = cache_salt  # prefix cache entries are shared within a salt only
+        self.logprobs = logprobs  # alternatives per token to report; None: no logprobs
+        self.result: GenerationResult | None = None  # the loop's, once it is in the batch
+        self.posted = 0  # tokens posted so far
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -121,7 +125,11 @@ class Job:
     def on_tokens(self, tokens: list[int]) -> bool:
         """The loop's streaming callback: pass the step's tokens on; False stops the loop."""
         if tokens:
-            self.post("tokens", list(tokens))
+            kept = self.result.logprobs if self.result is not None else None
+            entries = (None if kept is None
+                       else kept[self.posted:self.posted + len(tokens)])
+            self.posted += len(tokens)
+            self.post("tokens", (list(tokens), entries))
         return not self.cancelled.is_set()
 
 
@@ -253,7 +261,7 @@ class Engine:
         drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,
-                            cache_salt=job.cache_salt)
+                            cache_salt=job.cache_salt, logprobs=job.logprobs)
 
     def batch(self) -> BatchEngine:
         return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,
@@ -295,6 +303,7 @@ class Engine:
                 except ValueError as err:
                     job.post("error", err)
                     continue
+                job.result = state.result
                 jobs[id(state)] = (state, job)
             # 2. Requests whose clients left go now, before they cost a forward.
             for key, (state, job) in list(jobs.items()):

@@ -17,7 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.metrics import TokenLogprob
 from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +41,8 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
+    logprobs: Any = None  # chat: true / false; completions: how many alternatives (int)
+    top_logprobs: int | None = None  # chat: alternatives per token, with logprobs true
     cache_salt: str | None = None  # prefix cache entries shared only within one salt
     # dresd's own, from the request body
     method: str | None = None
@@ -67,16 +71,32 @@ class GenerationFields(BaseModel):
         if self.n != 1:
             raise RequestError("this server returns one choice per request (n must be 1)",
                                param="n")
-        if self.logprobs not in (None, False, 0):
-            raise RequestError("logprobs are not supported by this server", param="logprobs")
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report (0: the chosen token's logprob only), or None."""
+        raise NotImplementedError
+
+
+def _alternatives(value: object, param: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            0 <= value <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"{param} must be a whole number from 0 to {MAX_TOP_LOGPROBS}",
+                           param=param)
+    return value
 
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str]
     echo: bool = False
+
+    def logprobs_wanted(self) -> int | None:
+        """Completions: `logprobs` is the number of alternatives (0: the token's own)."""
+        if self.logprobs is None:
+            return None
+        return _alternatives(self.logprobs, "logprobs")
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The raw text tokenized as it is (as `dresd generate --no-chat-template`)."""
@@ -112,6 +132,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        """Chat: `logprobs` true turns them on, `top_logprobs` asks for alternatives."""
+        if self.logprobs not in (None, True, False):
+            raise RequestError("logprobs must be true or false", param="logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise RequestError("top_logprobs needs logprobs to be true",
+                                   param="top_logprobs")
+            return None
+        return _alternatives(self.top_logprobs or 0, "top_logprobs")
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The conversation through the chat template, the assistant's turn opened (for one
@@ -175,6 +206,33 @@ class IncrementalText:
         return self._text()[0]
 
 
+def chat_logprobs(entries: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase) -> dict:
+    """A chat choice's `logprobs`: per token its text, logprob, UTF-8 bytes and the
+    alternatives, as OpenAI gives them."""
+    def item(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token, e.logprob),
+                         "top_logprobs": [item(token, lp) for token, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase,
+                        offset: int = 0) -> dict:
+    """A completion choice's `logprobs` (the legacy shape): tokens, their logprobs, the
+    alternatives as {token: logprob} and each token's character offset from `offset`."""
+    tokens = [tokenizer.decode([e.token]) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tokenizer.decode([token]): lp for token, lp in e.top}
+                             for e in entries],
+            "text_offset": offsets}
+
+
 def finish_reason(stop_reason: str, stop_string_found: bool) -> str:
     """OpenAI's finish_reason for the loop's stop reason."""
     if stop_string_found or stop_reason in ("eos", "stop_string"):
@@ -198,21 +256,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
-                    text: str, reason: str, usage_: dict, figures: dict) -> dict:
+                    text: str, reason: str, usage_: dict, figures: dict,
+                    logprobs: dict | None = None) -> dict:
     """A whole (non-streaming) response; `dresd` carries the speculative figures."""
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice], "usage": usage_, "dresd": figures}
 
 
 def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
-               text: str | None, reason: str | None, first: bool = False) -> dict:
+               text: str | None, reason: str | None, first: bool = False,
+               logprobs: dict | None = None) -> dict:
     """One streamed chunk: a piece of text, or the last one with its finish_reason."""
     if kind == "chat":
         delta: dict = {}
@@ -220,10 +280,10 @@ def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, mod
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice]}
