@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """`command`, where this checkout's sources are not on the path (PYTHONPATH would make pip
+    take the repository's dresd for an installed one, and the venv import it)."""
+    kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     done = subprocess.run(command, capture_output=True, text=True, **kwargs)
     assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
     return done
@@ -76,7 +79,7 @@ def test_the_installed_wheel_generates_on_the_fast_forward(venv, tmp_path):
     cache.mkdir()
     (cache / "models").symlink_to(cache_dir() / "models")
     env = {**os.environ, "DRESD_CACHE": str(cache)}
-    env.pop("PYTHONPATH", None)
+    env.pop("PYTHONPATH", None)  # the wheel's dresd, not this checkout's
     dresd = str(venv / "bin" / "dresd")
 
     where = run([str(venv / "bin" / "python"), "-c", "import dresd; print(dresd.__file__)"],
