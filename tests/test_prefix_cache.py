@@ -271,3 +271,17 @@ def test_a_prompt_longer_than_the_cache_still_runs(tiny):
     for _ in range(2):
         assert generate(tiny, [prompt], "pld", cache)[0].token_ids == plain
     assert cache.bytes <= cache.capacity_bytes
+
+
+def test_siblings_wait_for_the_first_prefill_and_read_it(tiny):
+    """`n` choices of one prompt: the later ones wait for the first's prefill (short prompts
+    would otherwise prefill side by side in one step) and read all but their last token."""
+    prompt = np.random.default_rng(5).integers(1, TINY_VOCAB, 30).tolist()
+    plain = generate(tiny, [prompt], "pld", None)[0].token_ids
+    engine = BatchEngine(tiny, max_batch_size=3, prefix_cache=PrefixCache(16))
+    first = engine.add(Request(prompt=prompt, drafter=drafter("pld"), max_new_tokens=24))
+    others = [engine.add(Request(prompt=prompt, drafter=drafter("pld"), max_new_tokens=24,
+                                 prefill_after=first)) for _ in range(2)]
+    engine.run()
+    assert [s.result.token_ids for s in [first, *others]] == [plain] * 3
+    assert [s.result.cached_tokens for s in [first, *others]] == [0, 29, 29]

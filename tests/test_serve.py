@@ -213,6 +213,37 @@ def test_logprobs_are_plain_decodings_for_every_method(client):
         chat(client, question, logprobs=True, top_logprobs=50)
 
 
+def test_n_choices_share_the_prompt(server, client, default_references):
+    """`n` > 1: the choices after the first read the prompt from the prefix cache; greedy, all
+    are the reference; a seeded sample's first choice is the `n` = 1 sample; streamed choices
+    come apart by `index`."""
+    question = "Name an animal that lives in the sea, in one word."
+    expected = reference(default_references, question)
+    hits = metric(server.url, "dresd:prefix_cache_hits_total")
+    reply = chat(client, question, n=3, extra_body={"cache_salt": "n-test"})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [expected] * 3
+    single = chat(client, question)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
+    assert reply.usage.completion_tokens == 3 * single.usage.completion_tokens
+    assert metric(server.url, "dresd:prefix_cache_hits_total") - hits >= 2 * (
+        reply.usage.prompt_tokens - 1)
+    sample = chat(client, question, temperature=1.0, seed=5, n=2)
+    alone = chat(client, question, temperature=1.0, seed=5)
+    assert sample.choices[0].message.content == alone.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": question}],
+        max_tokens=MAX_TOKENS, stream=True, n=2)
+    texts, finished = ["", ""], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert texts == [expected] * 2 and None not in finished
+    with pytest.raises(openai.BadRequestError, match="n must be"):
+        chat(client, question, n=100)
+
+
 def test_streamed_chat_is_the_whole_reply_in_pieces(client):
     whole = chat(client, QUESTIONS[1])
     pieces, finish, usage = stream_chat(client, QUESTIONS[1])

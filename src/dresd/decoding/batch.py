@@ -93,6 +93,9 @@ class Request:
     # Requests share prefix cache entries only with requests of the same salt (a tenant's
     # prompts cannot be timed by another tenant).
     cache_salt: str = ""
+    # Another request with the same prompt (a sibling of `n` > 1): this one's prefill waits
+    # until that one's prompt is in the prefix cache, then reads all but its last token there.
+    prefill_after: Running | None = None
 
 
 @dataclass
@@ -201,6 +204,8 @@ class BatchEngine:
         room = self.prefill_chunk * self.prefill_chunks_per_step  # prompt rows in this step
         for state in self.running:
             if state.prefilling:
+                if self._waits_for_sibling(state):
+                    continue
                 rows = self._next_chunk_rows(state)
                 if chunks and rows > room:
                     continue  # its next chunk waits for a later step
@@ -268,6 +273,13 @@ class BatchEngine:
         """Where the prompt chunk starting at `start` ends: at the next multiple of
         `prefill_chunk`, or the prompt's end."""
         return min(state.prompt_len, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+
+    def _waits_for_sibling(self, state: Running) -> bool:
+        """Whether the sequence's prefill waits for a sibling's (its prompt's keys will be
+        in the prefix cache once that one is prefilled)."""
+        sibling = state.request.prefill_after
+        return (self.prefix_cache is not None and not state.looked_up and sibling is not None
+                and sibling.prefilling and sibling.result.stop_reason == "")
 
     def _next_chunk_rows(self, state: Running) -> int:
         """The rows of the sequence's next prompt chunk (before its first, after the prefix

@@ -12,6 +12,7 @@ object and never carry a traceback; the log has one line per request (`RequestLo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +28,14 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
-from dresd.serve.engine import Engine, Job, RequestError, check_context, request_settings
+from dresd.serve.engine import (
+    Engine,
+    Job,
+    Plan,
+    RequestError,
+    check_context,
+    request_settings,
+)
 from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
 
@@ -165,21 +173,44 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                     body.top_k, body.seed, body.stop_strings())
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
-        job = Job(prompt_ids, plan, asyncio.get_running_loop(), body.cache_salt or "",
-                  body.logprobs_wanted())
-        engine.submit(job)
+        jobs = choice_jobs(prompt_ids, plan, body.n, body.cache_salt or "",
+                           body.logprobs_wanted())
+        engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if body.ignored_fields():
             request.state.log["ignored"] = ",".join(body.ignored_fields())
-        run = Generation(job, target.tokenizer, settings.stop_strings, request, metrics, arrived,
-                         request_id=protocol.new_id("chatcmpl" if kind == "chat" else "cmpl"))
+        runs = [Generation(job, target.tokenizer, settings.stop_strings, request, metrics,
+                           arrived, index) for index, job in enumerate(jobs)]
+        choices = Choices(runs, request, protocol.new_id("chatcmpl" if kind == "chat"
+                                                         else "cmpl"))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(run.sse(kind, model_name, include_usage),
+            return StreamingResponse(choices.sse(kind, model_name, include_usage),
                                      media_type="text/event-stream")
-        return await run.whole(kind, model_name)
+        return await choices.whole(kind, model_name)
 
     return app
+
+
+def choice_jobs(prompt_ids: list[int], plan: Plan, n: int, cache_salt: str,
+                logprobs: int | None) -> list[Job]:
+    """The jobs of a request's `n` choices. Each after the first reads the prompt's keys from
+    the prefix cache once the first has prefilled it; a seeded sample's choice i draws with
+    seed + i (the first with the seed itself: `n` = 1 is unchanged), so choices differ and each
+    is reproducible."""
+    loop = asyncio.get_running_loop()
+    jobs: list[Job] = []
+    for index in range(n):
+        choice_plan = plan
+        sampling = plan.settings.sampling
+        if index and sampling is not None and sampling.seed is not None:
+            seeded = dataclasses.replace(sampling, seed=sampling.seed + index)
+            choice_plan = dataclasses.replace(
+                plan, settings=dataclasses.replace(plan.settings, sampling=seeded))
+        job = Job(prompt_ids, choice_plan, loop, cache_salt, logprobs)
+        job.sibling_of = jobs[0] if jobs else None
+        jobs.append(job)
+    return jobs
 
 
 class ClientGone(Exception):
@@ -187,18 +218,17 @@ class ClientGone(Exception):
 
 
 class Generation:
-    """One request's generation as the event loop sees it: the job's events, turned into text
-    pieces, a whole response or a stream of chunks, with its figures recorded at the end."""
+    """One generation (a request's choice) as the event loop sees it: the job's events,
+    turned into text pieces and logprobs, with its figures recorded at the end."""
 
     def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  request: Request, metrics: ServerMetrics, arrived: float,
-                 request_id: str) -> None:
+                 index: int = 0) -> None:
         self.job = job
         self.request = request
         self.metrics = metrics
         self.arrived = arrived
-        self.request_id = request_id
-        self.created = protocol.now()
+        self.index = index  # its place among the request's choices
         self.pieces = protocol.IncrementalText(tokenizer, stop)
         self.first_token_at: float | None = None
         self.result: GenerationResult | None = None
@@ -245,10 +275,6 @@ class Generation:
     def finish_reason(self) -> str:
         return protocol.finish_reason(self.result.stop_reason, self.pieces.stopped)
 
-    def usage(self) -> dict:
-        return protocol.usage(len(self.job.prompt_ids), len(self.result.token_ids),
-                              self.result.cached_tokens)
-
     def record(self) -> None:
         """The request's figures: into /metrics and its log line."""
         reason = self.finish_reason() if self.result else "abort"
@@ -288,16 +314,51 @@ class Generation:
                 "tokens_per_s")
         return {"method": self.job.plan.method, **{key: figures[key] for key in keys}}
 
+
+class Choices:
+    """A request's `n` generations (one, unless it asked for more) answered as one response:
+    whole, or one stream of chunks whose `index` says which choice each piece belongs to."""
+
+    def __init__(self, runs: list[Generation], request: Request, request_id: str) -> None:
+        self.runs = runs
+        self.request = request
+        self.request_id = request_id
+        self.created = protocol.now()
+
+    def usage(self) -> dict:
+        """The prompt counted once (the choices share it), the completions summed."""
+        first = self.runs[0].result
+        return protocol.usage(len(self.runs[0].job.prompt_ids),
+                              sum(len(run.result.token_ids) for run in self.runs),
+                              first.cached_tokens)
+
+    def record(self) -> None:
+        for run in self.runs:
+            run.record()
+        if len(self.runs) > 1:
+            done = [run.result for run in self.runs if run.result is not None]
+            self.request.state.log.update(n=len(self.runs), tokens=sum(
+                len(result.token_ids) for result in done))
+
     async def whole(self, kind: str, model: str) -> Response:
+        async def text(run: Generation) -> str:
+            return "".join([piece async for piece in run.pieces_of_text()])
+
+        tasks = [asyncio.ensure_future(text(run)) for run in self.runs]
         try:
-            text = "".join([piece async for piece in self.pieces_of_text()])
+            texts = await asyncio.gather(*tasks)
         except ClientGone:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         finally:
+            for task in tasks:
+                task.cancel()  # where one failed, the others stop too (their jobs cancelled)
             self.record()
+        choices = [protocol.choice_body(kind, run.index, text, run.finish_reason(),
+                                        run.logprobs(kind, run.result.logprobs or []))
+                   for run, text in zip(self.runs, texts, strict=True)]
         return JSONResponse(protocol.completion_body(
-            kind, self.request_id, self.created, model, text, self.finish_reason(), self.usage(),
-            self.figures(), self.logprobs(kind, self.result.logprobs or [])))
+            kind, self.request_id, self.created, model, choices, self.usage(),
+            self.runs[0].figures()))
 
     async def sse(self, kind: str, model: str, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: OpenAI's chunks, then `data: [DONE]`. An error after the
@@ -306,15 +367,36 @@ class Generation:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         ids = (self.request_id, self.created, model)
+        pieces: asyncio.Queue[tuple[Generation, str | None, Exception | None]] = asyncio.Queue()
+
+        async def feed(run: Generation) -> None:
+            try:
+                async for piece in run.pieces_of_text():
+                    await pieces.put((run, piece, None))
+                await pieces.put((run, None, None))  # its end
+            except Exception as err:  # noqa: BLE001 - raised where the stream is written
+                await pieces.put((run, None, err))
+
+        tasks = [asyncio.ensure_future(feed(run)) for run in self.runs]
         try:
             if kind == "chat":  # the assistant's role first, as OpenAI and vLLM send it
-                yield event(protocol.chunk_body(kind, *ids, "", None, first=True))
-            async for piece in self.pieces_of_text():
-                yield event(protocol.chunk_body(kind, *ids, piece, None,
-                                                logprobs=self.sent_logprobs(kind)))
-            final = "" if kind == "text" else None
-            yield event(protocol.chunk_body(kind, *ids, final, self.finish_reason(),
-                                            logprobs=self.sent_logprobs(kind)))
+                for run in self.runs:
+                    yield event(protocol.chunk_body(kind, *ids, "", None, first=True,
+                                                    index=run.index))
+            ended = 0
+            while ended < len(self.runs):
+                run, piece, failure = await pieces.get()
+                if failure is not None:
+                    raise failure
+                if piece is not None:
+                    yield event(protocol.chunk_body(kind, *ids, piece, None, index=run.index,
+                                                    logprobs=run.sent_logprobs(kind)))
+                    continue
+                ended += 1
+                final = "" if kind == "text" else None
+                yield event(protocol.chunk_body(kind, *ids, final, run.finish_reason(),
+                                                index=run.index,
+                                                logprobs=run.sent_logprobs(kind)))
             if include_usage:
                 yield event(protocol.usage_chunk(kind, *ids, self.usage()))
         except ClientGone:
@@ -326,6 +408,8 @@ class Generation:
             self.request.state.log["error"] = f"internal error ({type(err).__name__}: {err})"
             yield event(protocol.error_body(f"internal error ({type(err).__name__})", 500))
         finally:
+            for task in tasks:
+                task.cancel()
             self.record()
         yield "data: [DONE]\n\n"
 

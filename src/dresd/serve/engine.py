@@ -111,6 +111,10 @@ class Job:
         self.logprobs = logprobs  # alternatives per token to report; None: no logprobs
         self.result: GenerationResult | None = None  # the loop's, once it is in the batch
         self.posted = 0  # tokens posted so far
+        # `n` > 1: the request's first choice, whose prompt this one reads from the prefix
+        # cache once it is prefilled; and this one's place in the batch, for its siblings
+        self.sibling_of: Job | None = None
+        self.state: Running | None = None
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -241,14 +245,15 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or refuse it with 503 when `--max-queue` requests are already waiting."""
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (a request's `n` choices: all or none), or refuse them with 503 when
+        `--max-queue` leaves no room for them all. Called on the event loop only."""
+        if self.jobs.maxsize - self.jobs.qsize() < len(jobs):
             raise RequestError(
                 f"the server's queue is full ({self.jobs.maxsize} requests waiting); "
-                "try again later", status=503) from None
+                "try again later", status=503)
+        for job in jobs:
+            self.jobs.put_nowait(job)
 
     @property
     def waiting(self) -> int:
@@ -259,9 +264,11 @@ class Engine:
         decoding on the same forward); its own drafter fork: sequences side by side keep
         their own per-generation state."""
         drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
+        sibling = job.sibling_of.state if job.sibling_of is not None else None
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,
-                            cache_salt=job.cache_salt, logprobs=job.logprobs)
+                            cache_salt=job.cache_salt, logprobs=job.logprobs,
+                            prefill_after=sibling)
 
     def batch(self) -> BatchEngine:
         return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,
@@ -303,7 +310,7 @@ class Engine:
                 except ValueError as err:
                     job.post("error", err)
                     continue
-                job.result = state.result
+                job.state, job.result = state, state.result
                 jobs[id(state)] = (state, job)
             # 2. Requests whose clients left go now, before they cost a forward.
             for key, (state, job) in list(jobs.items()):

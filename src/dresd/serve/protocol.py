@@ -5,7 +5,7 @@ Fields this server does not know are ignored (and logged), as vLLM does. Besides
 fields a request may carry dresd's own in the body (the `openai` client's `extra_body`):
 `method`, `datastore`, `top_k` and the drafter options in `engine.REQUEST_DRAFTER_OPTIONS`.
 `cache_salt` (vLLM's and OpenAI's name) keeps a request's prefix cache entries to the requests
-with the same salt.
+with the same salt; `logprobs` / `top_logprobs` and `n` as OpenAI defines them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dresd.metrics import TokenLogprob
 from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
+MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
 
 
 class StreamOptions(BaseModel):
@@ -68,9 +69,8 @@ class GenerationFields(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what this server does not do, rather than silently do something else."""
-        if self.n != 1:
-            raise RequestError("this server returns one choice per request (n must be 1)",
-                               param="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError(f"n must be from 1 to {MAX_CHOICES}", param="n")
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -255,24 +255,26 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
-                    text: str, reason: str, usage_: dict, figures: dict,
-                    logprobs: dict | None = None) -> dict:
-    """A whole (non-streaming) response; `dresd` carries the speculative figures."""
+def choice_body(kind: Literal["chat", "text"], index: int, text: str, reason: str,
+                logprobs: dict | None = None) -> dict:
+    """One choice of a whole response."""
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        obj = "text_completion"
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def completion_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
+                    choices: list[dict], usage_: dict, figures: dict) -> dict:
+    """A whole (non-streaming) response; `dresd` carries the speculative figures."""
+    obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model,
-            "choices": [choice], "usage": usage_, "dresd": figures}
+            "choices": choices, "usage": usage_, "dresd": figures}
 
 
 def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
                text: str | None, reason: str | None, first: bool = False,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk: a piece of text, or the last one with its finish_reason."""
     if kind == "chat":
         delta: dict = {}
@@ -280,10 +282,12 @@ def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, mod
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": reason}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model,
             "choices": [choice]}
