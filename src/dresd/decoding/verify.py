@@ -22,8 +22,9 @@ model, 6 GSM8K prompts, 144 positions, a 24-token verify against decode steps), 
 a near-tied token. On a CPU dresd removes the cause (`fastpath.py`): packed linear layers and
 batch-invariant attention compute every row the same way in any batch, so bf16 speculative
 output is token-identical to bf16 plain decoding too (tested, and counted by `dresd bench`).
-Where that does not hold (trees over `fastpath.INVARIANT_MAX_ROWS` rows, a GPU, a model whose
-attention cannot be swapped) the rule is:
+Where that does not hold (on transformers' own forward, trees over
+`fastpath.INVARIANT_MAX_ROWS` rows; a GPU; a model whose attention cannot be swapped) the rule
+is:
 
     a speculative output may differ from same-dtype plain decoding only at a near-tie: at the
     first differing position, the reference's top-2 logit gap is at most
