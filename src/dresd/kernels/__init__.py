@@ -19,6 +19,8 @@ from pathlib import Path
 
 from dresd.host import cache_dir, cpu_flags, cpu_model
 
+BF16_HEADER = Path(__file__).with_name("bf16.h")  # included by linear.c and quant.c
+
 
 def cpu_key() -> str:
     """What -march=native compiles for: the CPU's model name and flags."""

@@ -102,7 +102,8 @@ def kernel() -> ctypes.CDLL | None:
     if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
-                           includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE))
+                           includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE,
+                                     kernels.BF16_HEADER))
     if library is None:
         return None
     decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)

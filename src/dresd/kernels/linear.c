@@ -30,6 +30,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 16                /* float32 lanes of a register: outputs computed at once */
 #define PARTS 4                 /* registers per panel: independent accumulators */
 #define PANEL (PARTS * LANES)   /* outputs per panel */
@@ -37,16 +39,6 @@
 #ifndef PREFETCH
 #define PREFETCH 16             /* pairs of k ahead (16: 4 KB) that each step prefetches */
 #endif
-
-/* bf16(value) for 16 floats, to nearest, ties to even; NaN stays a quiet NaN. */
-static inline __m256i round_to_bf16(__m512 value) {
-    __m512i bits = _mm512_castps_si512(value);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
 
 /* y rows [first, first + TILE) of one panel: see the header for the order of each sum. */
 static inline __attribute__((always_inline)) void tile(

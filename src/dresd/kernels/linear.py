@@ -26,6 +26,7 @@ import torch
 from dresd import kernels
 from dresd.fastpath import PackedLinear
 from dresd.host import cpu_flags
+from dresd.kernels import BF16_HEADER
 
 SOURCE = Path(__file__).with_name("linear.c")
 # No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).
@@ -38,7 +39,8 @@ def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
     if "avx512_bf16" not in cpu_flags():
         return None
-    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_LINEAR", "oneDNN linears")
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_LINEAR", "oneDNN linears",
+                           includes=(BF16_HEADER,))
     if library is None:
         return None
     function = library.dresd_linear

@@ -46,6 +46,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define QLANES 16      /* outputs per panel: one register's float32 lanes */
 #define QPARTS 2       /* panels computed together (a group), for independent accumulators */
 #ifndef QAHEAD
@@ -97,16 +99,6 @@ static inline __m512 negate(__m512 v) {
 static inline __m512 q_load_bf16(const uint16_t *from) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16));
-}
-
-/* float32 -> bf16 for 16 values, to nearest, ties to even; NaN stays a quiet NaN. */
-static inline __m256i q_round_bf16(__m512 value) {
-    __m512i bits = _mm512_castps_si512(value);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
 /* One row of bf16 x (k a multiple of 32) as 8-bit blocks: xq [k], dx [k / 32], and sx [k / 16]
@@ -242,7 +234,7 @@ static inline __attribute__((always_inline)) void qtile(
             if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
             if (out_bf16) {
                 uint16_t *to = (uint16_t *)y + i * y_stride + first;
-                _mm256_mask_storeu_epi16(to, keep, q_round_bf16(value));
+                _mm256_mask_storeu_epi16(to, keep, round_to_bf16(value));
             } else {
                 float *to = (float *)y + i * y_stride + first;
                 _mm512_mask_storeu_ps(to, keep, value);

@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from dresd import kernels
 from dresd.errors import DresdError
 from dresd.host import cpu_flags
+from dresd.kernels import BF16_HEADER
 
 SOURCE = Path(__file__).with_name("quant.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
@@ -81,7 +82,8 @@ def kernel() -> ctypes.CDLL | None:
     (no AVX-512 VNNI, no compiler, or DRESD_CPU_QUANT=0)."""
     if not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
         return None
-    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_QUANT", "no quantized linears")
+    library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_QUANT", "no quantized linears",
+                           includes=(BF16_HEADER,))
     if library is None:
         return None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
