@@ -12,13 +12,12 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-build
-Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=benchmarks/results/peers
 TOKENS=${TOKENS:-9000}
 DATA=${DRESD_DATA:-../shared/data}
 mkdir -p "$OUT"
 build_llama_tool "$BUILD" llama-perplexity -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-[ -f "$Q4_1" ] || bash benchmarks/peers/gguf_speed.sh  # fetches the Q4_1 file
+fetch_q4_1
 TEXT=$PEERS/gsm8k-answers.txt
 .venv/bin/python -c "import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

