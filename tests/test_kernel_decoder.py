@@ -77,7 +77,7 @@ def test_c_decoder_computes_the_pytorch_forward(config_class):
     forward = LlamaForward(model)
     python = LlamaForward(model)
     python.c_decoder = None
-    for prompt in prompts(4, seed=1, low=20, high=200):  # long chunks take the per-layer path
+    for prompt in prompts(4, seed=1, low=20, high=200):  # past 128 rows too
         mine = forward([Segment(forward.new_sequence(), prompt, 0)])[0].logits.float()
         theirs = python([Segment(python.new_sequence(), prompt, 0)])[0].logits.float()
         scale = theirs.abs().max()
@@ -87,9 +87,9 @@ def test_c_decoder_computes_the_pytorch_forward(config_class):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_do_not_depend_on_the_batch(tiny, threads):
-    """Each segment's logits in a forward shared with others, a prompt chunk longer than the C
-    attention takes among them, at 1 or 2 threads, equal, bit for bit, its logits alone on
-    one thread."""
+    """Each segment's logits in a forward shared with others, a prompt chunk past
+    INVARIANT_MAX_ROWS rows among them, at 1 or 2 threads, equal, bit for bit, its logits alone
+    on one thread."""
     forward = LlamaForward(tiny)
     histories = prompts(5, seed=2, low=5, high=60)
     long_prompt = prompts(1, seed=3, low=INVARIANT_MAX_ROWS + 20,
