@@ -107,18 +107,9 @@ def kernel() -> ctypes.CDLL | None:
     if library is None:
         return None
     decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)
-    signatures = {
-        "dresd_decoder": [decoder, _pointer, _i32, _pointer, _pointer, segments, _pointer, _i32],
-        "dresd_decoder_attention_inputs": [decoder, _i32, _pointer, _i32, _pointer, _pointer,
-                                           _pointer, segments, _i32],
-        "dresd_decoder_attention": [decoder, _i32, _pointer, segments, _pointer, _i32],
-        "dresd_decoder_attention_outputs": [decoder, _i32, _pointer, _i32, _pointer, _i32],
-        "dresd_decoder_final_norm": [decoder, _pointer, _i32, _pointer],
-    }
-    for name, argtypes in signatures.items():
-        function = getattr(library, name)
-        function.argtypes = argtypes
-        function.restype = None if name == "dresd_decoder_final_norm" else _i32
+    library.dresd_decoder.argtypes = [decoder, _pointer, _i32, _pointer, _pointer, segments,
+                                      _pointer, _i32]
+    library.dresd_decoder.restype = _i32
     return library
 
 
@@ -157,27 +148,23 @@ class CDecoder:
     def __init__(self, decoder: torch.nn.Module, config, fused: list) -> None:
         layers = decoder.layers
         attention = layers[0].self_attn
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = attention.head_dim
-        self.hidden = config.hidden_size
         self.threads = None  # default: torch.get_num_threads() at each call
-        self._arrays = [  # kept alive: the struct points into them
-            _addresses([layer.input_layernorm.weight for layer in layers]),
-            _addresses([layer.post_attention_layernorm.weight for layer in layers]),
-            _addresses([parts.qkv.bias for parts in fused]),
-            _weights([parts.qkv for parts in fused]),
-            _weights([layer.self_attn.o_proj for layer in layers]),
-            _weights([parts.gate_up for parts in fused]),
-            _weights([layer.mlp.down_proj for layer in layers]),
-        ]
-        norms_in, norms_post, qkv_bias = (ctypes.cast(array, _pointers)
-                                          for array in self._arrays[:3])
+        input_norms = _addresses([layer.input_layernorm.weight for layer in layers])
+        post_norms = _addresses([layer.post_attention_layernorm.weight for layer in layers])
+        qkv_biases = _addresses([parts.qkv.bias for parts in fused])
+        qkv = _weights([parts.qkv for parts in fused])
+        o = _weights([layer.self_attn.o_proj for layer in layers])
+        gate_up = _weights([parts.gate_up for parts in fused])
+        down = _weights([layer.mlp.down_proj for layer in layers])
+        # kept alive: the struct points into them
+        self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down]
         self.struct = DecoderStruct(
-            len(layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            config.intermediate_size, layers[0].input_layernorm.variance_epsilon,
-            attention.scaling, norms_in, norms_post, decoder.norm.weight.data_ptr(),
-            *self._arrays[3:4], qkv_bias, *self._arrays[4:])
+            len(layers), config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, attention.head_dim, config.intermediate_size,
+            layers[0].input_layernorm.variance_epsilon, attention.scaling,
+            ctypes.cast(input_norms, _pointers), ctypes.cast(post_norms, _pointers),
+            decoder.norm.weight.data_ptr(), qkv, ctypes.cast(qkv_biases, _pointers), o, gate_up,
+            down)
         self._weights = (decoder, fused)  # the addresses above stay valid while these live
         self.library = kernel()
 
@@ -215,38 +202,4 @@ class CDecoder:
             ctypes.byref(self.struct), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
             sin.data_ptr(), ctypes.byref(segments), out.data_ptr(), self._threads())
         self._check(status, "dresd_decoder")
-        return out
-
-    def attention_inputs(self, layer: int, hidden: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, segments: SegmentsStruct) -> torch.Tensor:
-        """One layer up to attention (norm, q/k/v, rotary, cache writes): the q/k/v rows
-        [rows, (heads + 2 kv_heads) * head_dim]."""
-        width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        qkv = torch.empty(hidden.shape[0], width, dtype=hidden.dtype)
-        status = self.library.dresd_decoder_attention_inputs(
-            ctypes.byref(self.struct), layer, hidden.data_ptr(), hidden.shape[0],
-            cos.data_ptr(), sin.data_ptr(), qkv.data_ptr(), ctypes.byref(segments),
-            self._threads())
-        self._check(status, "dresd_decoder_attention_inputs")
-        return qkv
-
-    def attention(self, layer: int, qkv: torch.Tensor, segments: SegmentsStruct,
-                  mixed: torch.Tensor) -> None:
-        """The C attention of `segments` (rows of `qkv` and `mixed` [rows, heads * head_dim])."""
-        status = self.library.dresd_decoder_attention(
-            ctypes.byref(self.struct), layer, qkv.data_ptr(), ctypes.byref(segments),
-            mixed.data_ptr(), self._threads())
-        self._check(status, "dresd_decoder_attention")
-
-    def attention_outputs(self, layer: int, hidden: torch.Tensor, mixed: torch.Tensor) -> None:
-        """One layer after attention: output projection, MLP, residuals (hidden in place)."""
-        status = self.library.dresd_decoder_attention_outputs(
-            ctypes.byref(self.struct), layer, hidden.data_ptr(), hidden.shape[0],
-            mixed.data_ptr(), self._threads())
-        self._check(status, "dresd_decoder_attention_outputs")
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(hidden)
-        self.library.dresd_decoder_final_norm(ctypes.byref(self.struct), hidden.data_ptr(),
-                                              hidden.shape[0], out.data_ptr())
         return out
