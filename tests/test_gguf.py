@@ -88,15 +88,15 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(qtype):
 
 def test_fused_projections_give_the_separate_ones_bits():
     k = 128
-    parts = [quant.QuantLinear(Q.Q4_1, raw_tensor(Q.Q4_1, n, k, seed=n), n, k,
-                               torch.randn(n)) for n in (64, 32, 32)]
+    parts = [quant.QuantLinear.from_blocks(Q.Q4_1, raw_tensor(Q.Q4_1, n, k, seed=n), n, k,
+                                           torch.randn(n)) for n in (64, 32, 32)]
     x = torch.randn(6, k).to(torch.bfloat16)
     separate = torch.cat([part(x) for part in parts], dim=-1)
     fused = quant.fuse(parts)
     assert isinstance(fused, quant.QuantLinear)
     assert torch.equal(fused(x), separate)
     assert torch.equal(torch.cat([part(x) for part in parts], dim=-1), separate)  # views
-    mixed = [parts[0], quant.QuantLinear(Q.Q8_0, raw_tensor(Q.Q8_0, 20, k), 20, k)]
+    mixed = [parts[0], quant.QuantLinear.from_blocks(Q.Q8_0, raw_tensor(Q.Q8_0, 20, k), 20, k)]
     together = quant.fuse(mixed)
     assert isinstance(together, quant.QuantParts)
     assert torch.equal(together(x), torch.cat([m(x) for m in mixed], dim=-1))

@@ -179,7 +179,8 @@ class _Tensors:
         if bias_values is not None and rows is not None:
             bias_values = bias_values[torch.from_numpy(rows)]
         if tensor.tensor_type in quant.LAYOUTS:
-            layer = quant.QuantLinear(tensor.tensor_type, raw, n, k, bias_values, out_dtype)
+            layer = quant.QuantLinear.from_blocks(tensor.tensor_type, raw, n, k, bias_values,
+                                                  out_dtype)
             self.release(tensor)
             return layer
         weight = self._dense(tensor, raw).to(torch.bfloat16)

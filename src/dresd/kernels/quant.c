@@ -279,7 +279,7 @@ static void qtile_any(int layout, int count, const int8_t *xq, const float *dx,
 }
 
 /* Bytes of one group of `layout` over k inputs. */
-int64_t dresd_quant_group_bytes(int layout, int k) {
+static int64_t dresd_quant_group_bytes(int layout, int k) {
     QLayout l = LAYOUTS[layout];
     return (int64_t)(k / QBLOCK) * QPARTS * block_bytes(l)
            + (int64_t)(k / QBLOCK / SUPER) * QPARTS * header_bytes(l);

@@ -56,10 +56,17 @@ class Layout:
         return 384 if self.six else 256 if self.nibbles else 512
 
     def block_bytes(self) -> int:
+        """One panel's bytes of one block of 32 k: its quants and scales."""
         if self.kquant:
             return self.quant_bytes() + 32
         scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
-        return (256 if self.nibbles else 512) + scales
+        return self.quant_bytes() + scales
+
+    def group_bytes(self, k: int) -> int:
+        """One group's bytes over k inputs (quant.c's dresd_quant_group_bytes): its blocks and,
+        for K-quants, a header per panel per 256 k."""
+        headers = (k // 256) * (64 if self.has_min else 32) if self.kquant else 0
+        return PARTS * ((k // BLOCK) * self.block_bytes() + headers)
 
 
 # The weight types that run natively, and the layout each is packed in.
@@ -90,8 +97,6 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_quant_linear.argtypes = [i32, pointer, i64, i32, i32, pointer, i32, pointer,
                                            pointer, i64, i32, i32]
     library.dresd_quant_linear.restype = i32
-    library.dresd_quant_group_bytes.argtypes = [i32, i32]
-    library.dresd_quant_group_bytes.restype = i64
     return library
 
 
@@ -272,9 +277,7 @@ def pack_rows(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     are independent), without the several row-sized temporaries of a large tensor at once."""
     if n <= PACK_ROWS:
         return pack(qtype, raw, n, k)
-    group_bytes = LAYOUTS[qtype].block_bytes() * PARTS * (k // BLOCK)
-    group_bytes += (k // 256) * PARTS * (64 if LAYOUTS[qtype].has_min else 32) * (
-        LAYOUTS[qtype].kquant)
+    group_bytes = LAYOUTS[qtype].group_bytes(k)
     packed = torch.empty(-(-n // GROUP) * group_bytes, dtype=torch.uint8)
     for first in range(0, n, PACK_ROWS):
         rows = min(PACK_ROWS, n - first)
@@ -305,28 +308,44 @@ def linear(x: torch.Tensor, qtype: Q, packed: torch.Tensor, out_features: int,
 
 
 class QuantLinear(torch.nn.Module):
-    """A linear layer on a GGUF tensor's blocks, packed once (no float copy of the weight)."""
+    """A linear layer on a GGUF tensor's blocks, packed once (no float copy of the weight);
+    `from_blocks` packs a file's tensor."""
 
-    def __init__(self, qtype: Q, raw: np.ndarray, out_features: int, in_features: int,
+    def __init__(self, qtype: Q, packed: torch.Tensor, out_features: int, in_features: int,
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
                  ) -> None:
         super().__init__()
+        self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
+        self.out_dtype = out_dtype
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(),
+                             persistent=False)
+
+    @classmethod
+    def from_blocks(cls, qtype: Q, raw: np.ndarray, out_features: int, in_features: int,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+                    ) -> QuantLinear:
+        """From a tensor's raw blocks (uint8 [out_features, bytes per row])."""
         block, size = GGML_QUANT_SIZES[qtype]
         if in_features % block or raw.shape != (out_features, in_features // block * size):
             raise DresdError(f"a {qtype.name} tensor of {out_features} x {in_features} cannot "
                              f"hold {raw.shape[0]} rows of {raw.shape[-1]} bytes")
-        self.qtype, self.out_features, self.in_features = qtype, out_features, in_features
-        self.out_dtype = out_dtype
-        self.register_buffer("packed", pack_rows(qtype, raw, out_features, in_features),
-                             persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.float().contiguous(),
-                             persistent=False)
+        return cls(qtype, pack_rows(qtype, raw, out_features, in_features), out_features,
+                   in_features, bias, out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.qtype, self.packed, self.out_features, self.bias, self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in={self.in_features}, out={self.out_features}"
+
+
+def _stacked_bias(modules: list[QuantLinear]) -> torch.Tensor | None:
+    """The modules' biases side by side (zeros for a module without one), or None."""
+    if all(module.bias is None for module in modules):
+        return None
+    return torch.cat([module.bias if module.bias is not None
+                      else torch.zeros(module.out_features) for module in modules])
 
 
 class QuantParts(torch.nn.Module):
@@ -338,12 +357,7 @@ class QuantParts(torch.nn.Module):
         super().__init__()
         self.parts = torch.nn.ModuleList(parts)
         self.out_features = sum(part.out_features for part in parts)
-        biases = [part.bias for part in parts]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(part.out_features)
-                              for b, part in zip(biases, parts, strict=True)])
-        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("bias", _stacked_bias(parts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
@@ -358,14 +372,9 @@ def fuse(modules: list[QuantLinear]) -> QuantLinear | QuantParts:
     if (any(m.qtype != first.qtype or m.out_features % GROUP for m in modules)
             or any(m.out_dtype != first.out_dtype for m in modules)):
         return QuantParts(modules)
-    fused = QuantLinear.__new__(QuantLinear)
-    torch.nn.Module.__init__(fused)
-    fused.qtype, fused.in_features = first.qtype, first.in_features
-    fused.out_dtype = first.out_dtype
-    fused.out_features = sum(m.out_features for m in modules)
-    fused.register_buffer("packed", torch.cat([m.packed for m in modules]), persistent=False)
-    biases = QuantParts(modules).bias
-    fused.register_buffer("bias", biases, persistent=False)
+    fused = QuantLinear(first.qtype, torch.cat([m.packed for m in modules]),
+                        sum(m.out_features for m in modules), first.in_features,
+                        _stacked_bias(modules), first.out_dtype)
     offset = outputs = 0
     for module in modules:  # each part reads its rows of the fused buffers
         size = module.packed.numel()
