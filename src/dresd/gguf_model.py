@@ -162,10 +162,7 @@ class _Tensors:
     def floats(self, name: str) -> torch.Tensor:
         """A small float tensor (a norm, a bias) as float32."""
         tensor = self.get(name)
-        data = np.asarray(tensor.data)
-        if tensor.tensor_type == Q.BF16:
-            data = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return torch.from_numpy(data.astype(np.float32).reshape(-1).copy())
+        return self._dense(tensor, np.asarray(tensor.data)).float().reshape(-1).clone()
 
     def linear(self, name: str, rows: np.ndarray | None = None, bias: str | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
@@ -212,6 +209,7 @@ class _Tensors:
 
     @staticmethod
     def _dense(tensor, raw: np.ndarray) -> torch.Tensor:
+        """A float tensor (F32, F16, BF16): bf16 bits as they are, the others as float32."""
         if tensor.tensor_type == Q.BF16:
             return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
         return torch.from_numpy(raw.view(FLOAT_TYPES[tensor.tensor_type]).astype(np.float32))
