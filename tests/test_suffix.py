@@ -14,6 +14,7 @@ from test_lossless_greedy import reference_greedy, spec, varied_prompts
 from dresd.decoding.drafter import DraftContext
 from dresd.drafters import SuffixDrafter, make_drafter
 from dresd.drafters.suffix import SpeculationTree, SuffixTrie, speculation_budget
+from dresd.kernels import drafting
 
 
 def random_stream(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
@@ -176,9 +177,15 @@ def test_removing_sequences_leaves_the_trie_of_the_others(seed):
     dict(tree=False, max_spec_factor=3.0),
     dict(learn=False, max_depth=8),
 ], ids=["defaults", "shallow", "wide", "path", "no-learn"])
-def test_drafts_equal_brute_force_search(options):
+@pytest.mark.parametrize("request_tree", ["C kernel", "Python trie"])
+def test_drafts_equal_brute_force_search(options, request_tree, monkeypatch):
     """Requests drafted step by step (the per-request trie extended, then rebuilt for the next
-    request), with finished requests in the global trie: drafts equal the brute-force ones."""
+    request, or the C kernel's tree over the request's tokens), with finished requests in the
+    global trie: drafts equal the brute-force ones."""
+    if request_tree == "Python trie":
+        monkeypatch.setattr(drafting, "kernel", lambda: None)
+    elif drafting.kernel() is None:
+        pytest.skip("no C compiler: the Python trie drafts")
     rng = np.random.default_rng(len(str(options)))
     drafter = SuffixDrafter(**options)
     history: list[list[int]] = []
@@ -208,6 +215,33 @@ def test_drafts_equal_brute_force_search(options):
         drafter.observe(prompt, output)
         history.append(output)
     assert drafted > 50  # matches happened: the comparison was not between empty lists
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler: the Python trie drafts")
+@pytest.mark.parametrize("seed", range(4))
+def test_c_request_tree_is_the_python_tries_tree(seed):
+    """The kernel's tree over a context is the per-request trie's, node for node and bit for
+    bit in its probs, at every step of long contexts (repeats, long matches, deep trees)."""
+    rng = np.random.default_rng(seed)
+    options = [dict(), dict(max_depth=5, max_tree_nodes=3, min_token_prob=0.0),
+               dict(max_spec_factor=4.0, max_spec_offset=2.0, min_token_prob=0.01),
+               dict(tree=False, max_spec_factor=2.0, max_tree_nodes=64)][seed]
+    drafter = SuffixDrafter(learn=False, **options)
+    stream = random_stream(rng, 400, int(rng.integers(3, 40)))
+    compared = 0
+    for end in range(1, len(stream) + 1, 7):
+        tokens = np.array(stream[:end])
+        max_len = int(rng.integers(1, 16))
+        drafter._update_request(tokens)
+        trie = drafter.best_tree(drafter.request_trie,
+                                 tokens[-(drafter.max_depth - 1):].tolist(), max_len)
+        kernel = SpeculationTree(*drafting.suffix_context_tree(
+            tokens, drafter.max_depth, drafter.max_spec_factor, drafter.max_spec_offset,
+            drafter.max_tree_nodes, drafter.min_token_prob, max_len, drafter.tree))
+        assert (kernel.tokens, kernel.parents, kernel.probs, kernel.match_len) == (
+            trie.tokens, trie.parents, trie.probs, trie.match_len)
+        compared += len(trie.tokens)
+    assert compared > 100
 
 
 def test_budget_grows_with_match_length():

@@ -59,6 +59,7 @@ import numpy as np
 
 from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.errors import UserError
+from dresd.kernels import drafting
 
 
 class Node:
@@ -333,6 +334,19 @@ class SuffixDrafter(SuffixOptions, Drafter):
                 best = grown
         return best
 
+    def request_tree(self, token_ids: np.ndarray, max_len: int) -> SpeculationTree:
+        """The best tree of the per-request trie over `token_ids`: grown by the C kernel from
+        the tokens themselves where it is compiled (`kernels/drafting.py`: the same tree, no
+        trie to keep), else from the trie, extended by the tokens it has not seen."""
+        if drafting.kernel() is not None:
+            grown = drafting.suffix_context_tree(
+                token_ids, self.max_depth, self.max_spec_factor, self.max_spec_offset,
+                self.max_tree_nodes, self.min_token_prob, max_len, self.tree)
+            return SpeculationTree(*grown)
+        self._update_request(token_ids)
+        return self.best_tree(self.request_trie, token_ids[-(self.max_depth - 1) :].tolist(),
+                              max_len)
+
     def propose(self, context: DraftContext) -> list[Draft]:
         return self.speculation_tree(context).drafts()
 
@@ -345,9 +359,8 @@ class SuffixDrafter(SuffixOptions, Drafter):
         """The speculation tree `propose` drafts, with its nodes' probs."""
         if context.max_draft_len < 1:
             return SpeculationTree()
-        self._update_request(context.token_ids)
         tail = context.token_ids[-(self.max_depth - 1) :].tolist()
-        best = self.best_tree(self.request_trie, tail, context.max_draft_len)
+        best = self.request_tree(context.token_ids, context.max_draft_len)
         if self.learn and self.cached:
             other = self.best_tree(self.global_trie, tail, context.max_draft_len)
             if other.score > best.score:
