@@ -1,7 +1,13 @@
 """Tiny GGUF files for the tests, written with the `gguf` package (llama.cpp's own writer and
 quantizers): a few layers of random weights in the types a test asks for, and the default
 model's tokenizer (vocabulary, merges, special tokens, chat template), so that transformers
-reads the file as it reads any llama.cpp file."""
+reads the file as it reads any llama.cpp file.
+
+A `gemma3` file is written from a random transformers `Gemma3ForCausalLM` (`gemma3_model`), as
+llama.cpp's converter (`conversion/gemma.py`, `Gemma3Model`) writes one: its norms plus one, no
+q/k permutation, the LM head tied to the embedding, no layer pattern in the metadata (llama.cpp
+takes every 6th layer as global). `gemma3_model` with the file's types gives the model the file
+holds (weights through the `gguf` package's quantizers and back): the test's reference."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from dresd.models import ensure_default_model
@@ -25,9 +32,18 @@ class Shape:
     kv_heads: int = 1
     layers: int = 2
     rope_theta: float = 10000.0
+    # gemma3 only: its head size (the file's key_length), the sliding window, and the linear
+    # rope scaling of its global layers (Gemma-3 4B and larger: 8)
+    head_dim: int | None = None
+    window: int = 0
+    rope_scale: float = 1.0
 
 
 TINY = Shape()
+# 6 layers: five windowed, the sixth global (llama.cpp's default pattern); window 8
+GEMMA3_TINY = Shape(128, 256, 2, 1, 6, 1_000_000.0, head_dim=64, window=8, rope_scale=8.0)
+# Gemma-3 1B's shape (its 262k vocabulary left out: the tokenizer here is the default model's)
+GEMMA3_1B = Shape(1152, 6912, 4, 1, 26, 1_000_000.0, head_dim=256, window=512)
 # Llama-3.2's 1B and 3B shapes (their rotary scaling left out: speed does not depend on it)
 LLAMA_32_1B = Shape(2048, 8192, 32, 8, 16, 500000.0)
 LLAMA_32_3B = Shape(3072, 8192, 24, 8, 28, 500000.0)
@@ -55,6 +71,60 @@ def tensor_bytes(qtype: Q, weights: np.ndarray, rng: np.random.Generator) -> np.
     return gguf.quants.quantize(weights.astype(np.float32), qtype)
 
 
+def as_stored(qtype: Q, weights: np.ndarray) -> np.ndarray:
+    """The float32 values a file holds for `weights` stored as `qtype` (the `gguf` package's
+    quantizer, then its dequantizer)."""
+    if qtype == Q.F32:
+        return weights.astype(np.float32)
+    return gguf.quants.dequantize(tensor_bytes(qtype, weights, np.random.default_rng()),
+                                  qtype).reshape(weights.shape)
+
+
+def gemma3_model(shape: Shape = GEMMA3_TINY, vocab: int = 49152, seed: int = 0,
+                 linear_type: Q | None = None, embedding_type: Q | None = None
+                 ) -> torch.nn.Module:
+    """A random float32 transformers `Gemma3ForCausalLM` of `shape` (weights large enough that
+    its next tokens are no near-ties, norms away from 0); with `linear_type` and
+    `embedding_type`, each weight as a file of those types holds it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    global_rope = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scale != 1.0:
+        global_rope = {"rope_type": "linear", "rope_theta": shape.rope_theta,
+                       "factor": shape.rope_scale}
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        query_pre_attn_scalar=shape.head_dim, sliding_window=shape.window,
+        rope_parameters={"full_attention": global_rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(config)
+    rng = np.random.default_rng(seed)
+    values = {}
+    for name, parameter in model.named_parameters():
+        if name.endswith("norm.weight"):  # Gemma's norm multiplies by 1 + weight
+            weights = 0.2 * rng.standard_normal(parameter.shape, dtype=np.float32)
+            if ".post_" in name:  # the blocks' outputs weigh more than the scaled embedding,
+                weights += 3.0  # else the tied head mostly predicts the token just read
+        elif name == "model.embed_tokens.weight":
+            weights = rng.standard_normal(parameter.shape, dtype=np.float32) * 0.3
+            weights = weights if embedding_type is None else as_stored(embedding_type, weights)
+        else:
+            weights = rng.standard_normal(parameter.shape, dtype=np.float32) * 0.08
+            weights = weights if linear_type is None else as_stored(linear_type, weights)
+        values[name] = torch.from_numpy(weights)
+    model.load_state_dict(values, assign=True, strict=False)
+    model.tie_weights()
+    with torch.device("cpu"):  # buffers: rotary frequencies, the embedding's scale
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    model.model.embed_tokens.embed_scale = torch.tensor(float(shape.hidden) ** 0.5)
+    return model.eval()
+
+
 def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q8_0,
                     arch: str = "llama", seed: int = 0, v_type: Q | None = None,
                     tied: bool = True, shape: Shape = TINY) -> Path:
@@ -76,8 +146,17 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(hidden // heads)
+    if arch == "gemma3":  # as llama.cpp's Gemma3Model.set_gguf_parameters writes them
+        writer.add_layer_norm_rms_eps(1e-6)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_sliding_window(shape.window)
+        if shape.rope_scale != 1.0:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(shape.rope_scale)
+    else:
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_dimension_count(hidden // heads)
     writer.add_vocab_size(len(tokens))
     writer.add_file_type(1)
     writer.add_tokenizer_model("gpt2")
@@ -99,6 +178,10 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
     def norm(name: str) -> None:
         writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
 
+    if arch == "gemma3":
+        _add_gemma3_tensors(writer, gemma3_model(shape, len(tokens), seed), linear_type,
+                            embedding_type, rng)
+        return _finish(writer, path)
     head_dim = hidden // heads
     add("token_embd.weight", len(tokens), hidden, embedding_type, scale=1.0)
     for i in range(layers):
@@ -120,8 +203,50 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
     norm("output_norm.weight")
     if not tied:
         add("output.weight", len(tokens), hidden, linear_type, scale=0.3)
+    return _finish(writer, path)
+
+
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# transformers' names of a Gemma-3 layer's tensors -> llama.cpp's (gguf-py's tensor_mapping.py)
+GEMMA3_LAYER_TENSORS = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _add_gemma3_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, linear_type: Q,
+                        embedding_type: Q, rng: np.random.Generator) -> None:
+    """`model`'s weights under llama.cpp's names: norms in F32 plus one (the converter's
+    `norm_shift`), linears in `linear_type`, the embedding (also the LM head) in
+    `embedding_type`."""
+    for name, value in model.state_dict().items():
+        weights = value.float().numpy()
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output.weight
+        if name == "model.embed_tokens.weight":
+            gguf_name, qtype = "token_embd.weight", embedding_type
+        elif name == "model.norm.weight":
+            gguf_name, qtype = "output_norm.weight", None
+        else:
+            _, _, index, rest = name.split(".", 3)
+            part = rest.removesuffix(".weight")
+            gguf_name = f"blk.{index}.{GEMMA3_LAYER_TENSORS[part]}.weight"
+            qtype = None if part.endswith("norm") else linear_type
+        if qtype is None:
+            writer.add_tensor(gguf_name, (weights + 1.0).astype(np.float32))
+            continue
+        data = tensor_bytes(qtype, weights, rng)
+        floats = qtype in (Q.F32, Q.F16)
+        writer.add_tensor(gguf_name, data, raw_shape=None if floats else data.shape,
+                          raw_dtype=None if floats else qtype)
