@@ -81,6 +81,24 @@ def streamed_chat(url: str, prompt: str, max_tokens: int = MAX_TOKENS
     return "".join(pieces), finish, replica
 
 
+def user_chat(prompt: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
+def replica_ids() -> list[str]:
+    """The live model replicas' ids (what `x-dresd-replica` says)."""
+    return [actor["name"].rsplit("#", 1)[1]
+            for actor in ray.util.list_named_actors(all_namespaces=True)
+            if "DresdServer#" in actor["name"]]
+
+
+def first_choice(body: dict) -> str:
+    """The replica a request body's conversation goes to while no replica's batch is full."""
+    from dresd.serve.ray_routing import conversation_key, rank_replicas
+
+    return rank_replicas(conversation_key(body), replica_ids())[0]
+
+
 def reference(references, prompt: str) -> str:
     """What `dresd generate --prompt PROMPT` prints: greedy, every method prints `ar`'s output,
     generated alone in this process (conftest's `default_references`: test_serve asks for the
@@ -116,7 +134,10 @@ def test_two_replicas_stream_what_generate_prints(deployment, default_references
     for prompt, (text, finish, _) in zip(QUESTIONS, replies, strict=True):
         assert text == reference(default_references, prompt)
         assert finish in ("stop", "length")
-    assert len({replica for _, _, replica in replies}) == 2  # both replicas served
+    # each question on the replica its conversation key ranks first (none of them has a full
+    # batch): which ones that is depends on the replicas' random ids
+    assert [replica for _, _, replica in replies] == [
+        first_choice(user_chat(prompt)) for prompt in QUESTIONS]
 
     # /metrics counts both replicas' requests (the pooled counters, then each replica's gauges)
     deadline = time.monotonic() + 20
@@ -125,6 +146,57 @@ def test_two_replicas_stream_what_generate_prints(deployment, default_references
     assert pooled_successes(url) == len(QUESTIONS)
     text = get(url + "/metrics", key=KEY)[1]
     assert len(re.findall(r'^dresd:replica_num_requests_running\{', text, re.MULTILINE)) == 2
+
+
+def test_conversation_key():
+    """One key for every turn of a conversation; another for another first question, another
+    cache_salt, another first message; the system prompt alone does not decide it."""
+    from dresd.serve.ray_routing import conversation_key, rank_replicas
+
+    system = {"role": "system", "content": "You are terse."}
+    first = [system, {"role": "user", "content": "Hi?"}]
+    key = conversation_key({"messages": first})
+    later = [*first, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Bye?"}]
+    assert conversation_key({"messages": later, "max_tokens": 3}) == key
+    assert conversation_key({"messages": [system, {"role": "user", "content": "Yo?"}]}) != key
+    assert conversation_key({"messages": first, "cache_salt": "tenant-b"}) != key
+    assert conversation_key({"prompt": "x" * 300}) == conversation_key({"prompt": "x" * 400})
+    assert conversation_key({"prompt": [1, 2, 3]}) != conversation_key({"prompt": [1, 2, 4]})
+    assert conversation_key({"model": "m"}) is None and conversation_key([1]) is None
+    # rendezvous: a replica gone moves only the keys it held
+    keys = [conversation_key({"prompt": f"document {i}"}) for i in range(200)]
+    before = {k: rank_replicas(k, ["a", "b", "c"])[0] for k in keys}
+    after = {k: rank_replicas(k, ["a", "b"])[0] for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "c")
+    assert 40 < sum(before[k] == "c" for k in keys) < 100  # a third each, roughly
+
+
+def test_a_conversation_stays_on_its_replica(deployment):
+    """Two conversations, one whose key ranks each replica first: both turns of each reach that
+    replica, and the second turn reads its history from that replica's prefix cache."""
+    url, _ = deployment
+    ids = replica_ids()
+    chats = {}
+    for index in range(64):  # a first question for each replica
+        question = [{"role": "user", "content": f"Name a color, please ({index})."}]
+        chats.setdefault(first_choice({"messages": question}), question)
+        if len(chats) == len(ids):
+            break
+    for replica, messages in chats.items():
+        first = client(url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
+        answer = first.parse()
+        second = client(url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[*messages, {"role": "assistant",
+                                               "content": answer.choices[0].message.content},
+                                   {"role": "user", "content": "And another one?"}],
+            max_tokens=MAX_TOKENS)
+        assert first.headers["x-dresd-replica"] == second.headers["x-dresd-replica"] == replica
+        cached = second.parse().usage.prompt_tokens_details.cached_tokens
+        print(f"replica {replica}: second turn read {cached} of "
+              f"{second.parse().usage.prompt_tokens} prompt tokens from the cache")
+        assert cached >= answer.usage.prompt_tokens  # the first turn's prompt, at least
 
 
 def test_the_api_key_is_checked_on_every_replica(deployment):

@@ -78,8 +78,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                             "local Ray). Needs pip install 'dresd[ray]'")
     serve.add_argument("--replicas", type=int, default=1,
                        help="with --ray: replicas, each loading the model and datastores once "
-                            "and using --threads CPUs (default 1); a request goes to the one "
-                            "with fewer requests in flight of two picked at random")
+                            "and using --threads CPUs (default 1)")
+    serve.add_argument("--replica-routing", choices=["prefix", "power-of-two"], default="prefix",
+                       help="with --ray and more than one replica: `prefix` (default) sends "
+                            "every turn of a conversation (its cache_salt and messages up to "
+                            "the first user message) to the same replica, whose prefix cache "
+                            "holds it, unless that replica's batch is full; `power-of-two`: "
+                            "Ray Serve's default, the less busy of two replicas picked at random")
     serve.add_argument("--max-replicas", type=int, default=None,
                        help="with --ray: Ray Serve's autoscaling between --replicas and this "
                             "many, aiming at --max-batch-size requests in flight per replica")

@@ -6,10 +6,15 @@ one endpoint (Ray Serve's HTTP proxy on --host:--port).
   start. The datastore folders must be readable at the same path on every node.
 - Replicas: `--replicas N`, or with `--max-replicas M` Ray Serve's autoscaling between N and M,
   aiming at `--max-batch-size` requests in flight per replica.
-- Routing: Ray Serve's default router picks two replicas at random and sends the request to the
-  one with fewer requests in flight (power of two choices), and never sends a replica more than
-  `max_ongoing_requests`: here `--max-queue` + `--max-batch-size`, so a replica is never handed
-  more than its batch and queue hold; past that, requests wait in Ray Serve's router.
+- Routing (`--replica-routing`): `prefix` (the default, with more than one replica) sends every
+  turn of a conversation to the replica that holds its prefix cache, through a small ingress
+  deployment that reads the body and a request router that ranks the replicas by the
+  conversation's key (ray_routing.py); a replica with a full batch yields its requests to one
+  with room. `power-of-two`: Ray Serve's default router, straight from its proxy: two replicas
+  picked at random, the request to the one with fewer requests in flight. Either never sends a
+  replica more than `max_ongoing_requests`: here `--max-queue` + `--max-batch-size`, so a
+  replica is never handed more than its batch and queue hold; past that, requests wait in Ray
+  Serve's router.
 - The API key is checked by each replica's app (the same middleware), so the endpoint behaves
   as the single-process server. Ray Serve's own `/-/healthz` and `/-/routes` stay open.
 - `/metrics`: every replica sends its figures to one small actor (`MetricsBoard`) when a request
@@ -48,6 +53,7 @@ from dresd.serve.metrics import PREFIX, ServerMetrics
 
 APP_NAME = "dresd"
 DEPLOYMENT_NAME = "DresdServer"
+INGRESS_NAME = "DresdIngress"  # with conversation affinity: reads a request, picks its replica
 REPLICA_HEADER = b"x-dresd-replica"  # which replica answered: for logs and the kill test
 # A replica sends its figures at least this often (the in-flight gauges move without requests
 # ending); one not heard from for STALE_S is left out of the in-flight gauges.
@@ -231,11 +237,34 @@ def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
     def build():  # a closure: Ray Serve calls it on each replica at its start
         return build_replica_app(args, build_app, model_name, board)
 
-    ingress = serve.ingress(build)(type("DresdReplica", (), {}))
-    deployment = serve.deployment(ingress, name=DEPLOYMENT_NAME, **deployment_options(args))
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
+    if not uses_affinity(args):
+        ingress = serve.ingress(build)(type("DresdReplica", (), {}))
+        deployment = serve.deployment(ingress, name=DEPLOYMENT_NAME, **deployment_options(args))
+        serve.run(deployment.bind(), name=APP_NAME, route_prefix="/")
+        return board
+    from dresd.serve import ray_routing
+
+    replicas = serve.deployment(
+        ray_routing.ModelReplica, name=DEPLOYMENT_NAME, **deployment_options(args),
+        request_router_config=ray_routing.affinity_router_config(
+            spill_at=getattr(args, "max_batch_size", 1)))
+    most = args.max_replicas or args.replicas
+    ingress = serve.deployment(
+        serve.ingress()(ray_routing.IngressDeployment), name=INGRESS_NAME, num_replicas=1,
+        # it only waits on the replicas: as many requests as they all hold, and no CPU of its own
+        max_ongoing_requests=most * max_ongoing_requests(args) + 16,
+        ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
+    body_cap = getattr(args, "max_body_bytes", None) or ray_routing.INGRESS_BODY_CAP
+    serve.run(ingress.bind(replicas.bind(build), body_cap), name=APP_NAME, route_prefix="/")
     return board
+
+
+def uses_affinity(args: argparse.Namespace) -> bool:
+    """Conversation affinity (ray_routing.py) where there is more than one replica to choose
+    from; one replica takes every request straight from Ray Serve's proxy."""
+    return (getattr(args, "replica_routing", "prefix") == "prefix"
+            and (args.replicas > 1 or args.max_replicas is not None))
 
 
 def serve_on_ray(args: argparse.Namespace, build_app: BuildApp, model_name: str) -> int:

@@ -1,0 +1,290 @@
+"""Which replica answers a request under `dresd serve --ray --replicas N`: the one that holds
+its conversation's prefix cache.
+
+Each replica has its own prefix cache, so a chat's second turn hits only if it reaches the
+replica that answered the first. Ray Serve's proxy cannot route on what it has not read (the
+body reaches a replica after it is chosen), so the deployment has a small ingress in front of
+the replicas (no model, no CPU reserved):
+
+- `AffinityIngress` (the app's HTTP ingress) reads the body, derives the request's
+  *conversation key* (`conversation_key`: the `cache_salt` and the messages up to and including
+  the first user message, or the first characters of a completion's prompt), and passes the
+  request on to the model replicas through a deployment handle with the key as Ray Serve's
+  `session_id`; the replica's response (the app's ASGI messages, streamed) comes back the same
+  way. Requests without a body (/health, /metrics, /v1/models) carry no key.
+- `PrefixAffinityRouter` (the replicas' Ray Serve request router) ranks the replicas for a key
+  by rendezvous hashing (highest hash of key and replica id first): the same key always ranks
+  the same replica first while it lives, and a replica added or gone moves only the keys it
+  gains or held. The first replica in the ranking that accepts the request (fewer than
+  `max_ongoing_requests` in flight) gets it. One whose batch is full (`spill_at` requests in
+  flight: new ones would wait) yields its place to a replica with room, so one hot prefix
+  cannot hold requests in a queue while another replica idles; a request without a key goes to
+  the least loaded replica.
+
+Why the first user message and not the first K tokens: every chat of an application shares its
+system prompt, so a key of the first K tokens would send all of them to one replica; the first
+user message tells conversations apart, and stays the same in every later turn of one
+conversation (the history is resent whole). Requests that differ only after it (different
+second turns of one first question) share a replica, which is where their shared prefix is.
+
+This module imports Ray at its top: `ray_serve.deploy` imports it only with affinity on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from dresd.serve import protocol
+
+log = logging.getLogger(__name__)
+
+# A completion's prompt has no structure to split on: its first characters (or token ids) are
+# the key, long enough to tell documents apart, short enough that a conversation's next turn
+# (the same text, more appended) keeps it.
+COMPLETION_PREFIX_CHARS = 256
+COMPLETION_PREFIX_TOKENS = 64
+# Bodies larger than this are not read by the ingress (without --max-body-bytes): the replica
+# refuses them with 413 from their declared length or from what arrived.
+INGRESS_BODY_CAP = 64 << 20
+# A request still running this long after its client left is cancelled outright (the app
+# notices a client gone within a second and stops by itself; this is the backstop).
+ABANDONED_S = 60.0
+
+
+def conversation_key(payload: Any) -> str | None:
+    """The key that sends every turn of one conversation to one replica: a hash of the
+    request's `cache_salt` and its messages up to and including the first user message (chat),
+    or its prompt's first COMPLETION_PREFIX_CHARS characters / COMPLETION_PREFIX_TOKENS token
+    ids (completions). None for a body that is neither."""
+    if not isinstance(payload, dict):
+        return None
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages:
+        head = []
+        for message in messages:
+            head.append(message)
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+        material: Any = head
+    elif isinstance(payload.get("prompt"), (str, list)) and payload["prompt"]:
+        prompt = payload["prompt"]
+        if isinstance(prompt, list) and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of prompts: the first one's replica takes them all
+        material = (prompt[:COMPLETION_PREFIX_CHARS] if isinstance(prompt, str)
+                    else prompt[:COMPLETION_PREFIX_TOKENS])
+    else:
+        return None
+    text = json.dumps([payload.get("cache_salt") or "", material], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def rank_replicas(key: str, replica_ids: list[str]) -> list[str]:
+    """The replicas in the order `key` prefers them (rendezvous hashing)."""
+    def weight(replica_id: str) -> bytes:
+        return hashlib.sha256(f"{key}\0{replica_id}".encode()).digest()[:8]
+
+    return sorted(replica_ids, key=weight, reverse=True)
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Ray Serve request router: a request's conversation key (its `session_id`) ranks the
+    replicas (`rank_replicas`); replicas with a full batch go after those with room."""
+
+    spill_at: int | None = None
+
+    def initialize_state(self, spill_at: int | None = None, **kwargs) -> None:
+        self.spill_at = spill_at
+
+    def busy(self, replica: RunningReplica) -> bool:
+        """Known (from Ray Serve's cache of queue lengths) to hold a full batch."""
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        return self.spill_at is not None and queue_len is not None and queue_len >= self.spill_at
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        key = pending_request.metadata.session_id if pending_request is not None else ""
+        if not key or not candidate_replicas:
+            return [candidate_replicas]  # one rank: the least loaded of all
+        # Every rank tried and none accepted: wait (Ray Serve's backoff) before trying again.
+        pending_request.routing_context.should_backoff = True
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        ranked = [by_id[replica_id] for replica_id in rank_replicas(key, list(by_id))]
+        busy = [self.busy(replica) for replica in ranked]
+        ranked = ([r for r, b in zip(ranked, busy, strict=True) if not b]
+                  + [r for r, b in zip(ranked, busy, strict=True) if b])
+        return [[replica] for replica in ranked]
+
+
+def forwarded_scope(scope: dict) -> dict:
+    """What a replica's app needs of the ingress's ASGI scope (plain, picklable values)."""
+    keep = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_path", "root_path",
+            "query_string", "headers", "client", "server")
+    return {name: scope[name] for name in keep if name in scope}
+
+
+async def run_asgi(app, scope: dict, body: bytes):
+    """Run an ASGI app on one HTTP request whose body has been read; yields the messages it
+    sends. Closing the generator early (the client left) makes the app's next receive() say
+    http.disconnect, which the app answers by cancelling the generation."""
+    messages: asyncio.Queue = asyncio.Queue()
+    gone = asyncio.Event()
+    body_sent = False
+
+    async def receive() -> dict:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await messages.put(message)
+
+    task = asyncio.ensure_future(app(scope, receive, send))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    try:
+        while (message := await messages.get()) is not None:
+            yield message
+        await task  # the app's own error, if it raised one
+    finally:
+        if not task.done():
+            gone.set()
+            asyncio.get_running_loop().call_later(ABANDONED_S, task.cancel)
+
+
+class AffinityIngress:
+    """The HTTP ingress (an ASGI app): reads a request, keys it, passes it to a model replica
+    through `server` (a deployment handle) and streams the replica's response back."""
+
+    def __init__(self, server, body_cap: int) -> None:
+        self.server = server
+        self.body_cap = body_cap
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        body = await self.read_body(scope, receive)
+        try:
+            key = conversation_key(json.loads(body)) if body else None
+        except ValueError:
+            key = None  # not JSON: the replica answers it (a 400 or 422), from any replica
+        handle = self.server.options(stream=True, **({"session_id": key} if key else {}))
+        responses = handle.forward.remote(forwarded_scope(scope), body)
+        started = finished = False
+        try:
+            async for message in responses:
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+            finished = True
+        except Exception:  # noqa: BLE001 - the replica died or failed
+            if started:
+                raise  # the stream is cut: the client sees an error, never a shortened answer
+            log.exception("no replica answered %s %s", scope.get("method"), scope.get("path"))
+            await self.unavailable(send)
+        finally:
+            if not finished:
+                responses.cancel()  # the client left: the replica stops generating
+
+    async def read_body(self, scope: dict, receive) -> bytes:
+        """The whole body, or (past body_cap) what arrived so far: the replica's own limit
+        refuses it (413) from the declared length or from the bytes it is sent."""
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.body_cap:
+                return b""
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if not message.get("more_body") or size > self.body_cap:
+                break
+        return b"".join(parts)
+
+    @staticmethod
+    async def unavailable(send) -> None:
+        body = json.dumps(protocol.error_body("no replica could take the request; retry",
+                                              503, None)).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class IngressDeployment:
+    """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy)."""
+
+    def __init__(self, server, body_cap: int) -> None:
+        self.asgi = AffinityIngress(server, body_cap)
+
+    def __serve_build_asgi_app__(self):
+        return self.asgi
+
+
+class Lifespan:
+    """An ASGI app's lifespan (its engine's start and stop), driven by hand: a model replica
+    behind the ingress is called through a handle, not by Ray Serve's HTTP server, which would
+    otherwise run it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Future | None = None
+
+    async def startup(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"},
+                 "state": {}}
+        self.task = asyncio.ensure_future(self.app(scope, self.inbox.get, self.outbox.put))
+        await self.inbox.put({"type": "lifespan.startup"})
+        reply = await self.outbox.get()
+        if reply["type"] != "lifespan.startup.complete":
+            raise RuntimeError(f"the app did not start: {reply.get('message', reply)}")
+
+    async def shutdown(self) -> None:
+        if self.task is not None and not self.task.done():
+            await self.inbox.put({"type": "lifespan.shutdown"})
+            await asyncio.wait_for(self.outbox.get(), 30)
+
+
+class ModelReplica:
+    """Ray Serve deployment class of a model replica behind the ingress: builds the server's
+    app once and starts it, then runs each forwarded request through it."""
+
+    async def __init__(self, build) -> None:
+        self.app = build()
+        self.lifespan = Lifespan(self.app)
+        await self.lifespan.startup()
+
+    async def forward(self, scope: dict, body: bytes):
+        # a fresh request state, as an ASGI server gives each request
+        async for message in run_asgi(self.app, {**scope, "state": {}}, body):
+            yield message
+
+    async def __del__(self) -> None:
+        await self.lifespan.shutdown()
+
+
+def affinity_router_config(spill_at: int):
+    """The model replicas' `request_router_config`."""
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                               request_router_kwargs={"spill_at": spill_at})
