@@ -174,7 +174,8 @@ def test_conversation_key():
 
 def test_a_conversation_stays_on_its_replica(deployment):
     """Two conversations, one whose key ranks each replica first: both turns of each reach that
-    replica, and the second turn reads its history from that replica's prefix cache."""
+    replica, and the second turn reads its history from that replica's prefix cache; then
+    /reset_prefix_cache empties every replica's cache."""
     url, _ = deployment
     ids = replica_ids()
     chats = {}
@@ -197,6 +198,13 @@ def test_a_conversation_stays_on_its_replica(deployment):
         print(f"replica {replica}: second turn read {cached} of "
               f"{second.parse().usage.prompt_tokens} prompt tokens from the cache")
         assert cached >= answer.usage.prompt_tokens  # the first turn's prompt, at least
+    request = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert sorted(json.loads(reply.read())["replicas"]) == sorted(ids)
+    for messages in chats.values():  # nothing cached anywhere now
+        again = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_the_api_key_is_checked_on_every_replica(deployment):

@@ -36,6 +36,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -52,6 +53,11 @@ COMPLETION_PREFIX_TOKENS = 64
 # Bodies larger than this are not read by the ingress (without --max-body-bytes): the replica
 # refuses them with 413 from their declared length or from what arrived.
 INGRESS_BODY_CAP = 64 << 20
+# The key of a request meant for one replica (ONE_REPLICA + its id): /reset_prefix_cache goes
+# to every replica, each cache being its own. Conversation keys are hex, never this.
+ONE_REPLICA = "@replica:"
+BROADCAST_ROUTES = {("POST", "/reset_prefix_cache")}
+BROADCAST_TIMEOUT_S = 30.0
 # A request still running this long after its client left is cancelled outright (the app
 # notices a client gone within a second and stops by itself; this is the backstop).
 ABANDONED_S = 60.0
@@ -115,6 +121,9 @@ class PrefixAffinityRouter(RequestRouter):
         # Every rank tried and none accepted: wait (Ray Serve's backoff) before trying again.
         pending_request.routing_context.should_backoff = True
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        if key.startswith(ONE_REPLICA):  # a request for every replica, this one's copy
+            named = by_id.get(key.removeprefix(ONE_REPLICA))
+            return [[named]] if named is not None else []
         ranked = [by_id[replica_id] for replica_id in rank_replicas(key, list(by_id))]
         busy = [self.busy(replica) for replica in ranked]
         ranked = ([r for r, b in zip(ranked, busy, strict=True) if not b]
@@ -164,9 +173,11 @@ class AffinityIngress:
     """The HTTP ingress (an ASGI app): reads a request, keys it, passes it to a model replica
     through `server` (a deployment handle) and streams the replica's response back."""
 
-    def __init__(self, server, body_cap: int) -> None:
+    def __init__(self, server, body_cap: int, replica_ids=None) -> None:
         self.server = server
         self.body_cap = body_cap
+        # the live replicas' ids (async): where a broadcast route goes
+        self.replica_ids = replica_ids
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -180,6 +191,9 @@ class AffinityIngress:
         if scope["type"] != "http":
             return
         body = await self.read_body(scope, receive)
+        if (scope.get("method"), scope.get("path")) in BROADCAST_ROUTES and self.replica_ids:
+            await self.broadcast(scope, body, send)
+            return
         try:
             key = conversation_key(json.loads(body)) if body else None
         except ValueError:
@@ -200,6 +214,41 @@ class AffinityIngress:
         finally:
             if not finished:
                 responses.cancel()  # the client left: the replica stops generating
+
+    async def broadcast(self, scope: dict, body: bytes, send) -> None:
+        """The request sent to every live replica; the first refusal is the answer (a wrong
+        key: 401), else one JSON object: the bytes freed in all, each replica's line."""
+        async def one(replica_id: str) -> tuple[int, list, bytes]:
+            handle = self.server.options(stream=True, session_id=ONE_REPLICA + replica_id)
+            status, headers, parts = 500, [], []
+            async for message in handle.forward.remote(forwarded_scope(scope), body):
+                if message["type"] == "http.response.start":
+                    status, headers = message["status"], message.get("headers", [])
+                else:
+                    parts.append(message.get("body", b""))
+            return status, headers, b"".join(parts)
+
+        ids = sorted(await self.replica_ids())
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*map(one, ids)), BROADCAST_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a replica gone meanwhile, or one that never answered
+            log.exception("%s did not reach every replica", scope.get("path"))
+            await self.unavailable(send)
+            return
+        failed = [reply for reply in replies if reply[0] != 200]
+        if failed:
+            status, headers, payload = failed[0]
+        else:
+            answers = {replica: json.loads(reply[2]) for replica, reply in zip(ids, replies,
+                                                                                strict=True)}
+            payload = json.dumps({"freed_bytes": sum(a.get("freed_bytes", 0)
+                                                     for a in answers.values()),
+                                  "replicas": answers}).encode()
+            status, headers = 200, [(b"content-type", b"application/json")]
+        headers = [(name, value) for name, value in headers if name != b"content-length"]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
 
     async def read_body(self, scope: dict, receive) -> bytes:
         """The whole body, or (past body_cap) what arrived so far: the replica's own limit
@@ -231,8 +280,15 @@ class AffinityIngress:
 class IngressDeployment:
     """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy)."""
 
-    def __init__(self, server, body_cap: int) -> None:
-        self.asgi = AffinityIngress(server, body_cap)
+    def __init__(self, server, body_cap: int, board=None) -> None:
+        async def replica_ids() -> list[str]:
+            from dresd.serve.ray_serve import STALE_S  # the replicas heard from lately
+
+            now = time.time()
+            return [name for name, report in (await board.get.remote()).items()
+                    if now - report[0] <= STALE_S]
+
+        self.asgi = AffinityIngress(server, body_cap, replica_ids if board is not None else None)
 
     def __serve_build_asgi_app__(self):
         return self.asgi
