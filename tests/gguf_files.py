@@ -49,6 +49,34 @@ LLAMA_32_1B = Shape(2048, 8192, 32, 8, 16, 500000.0)
 LLAMA_32_3B = Shape(3072, 8192, 24, 8, 28, 500000.0)
 
 
+# A tiny sentencepiece vocabulary as a Gemma-3 file holds one (tokenizer.ggml.model "llama", no
+# merges, scores, token types; Gemma's special tokens first, then byte fallbacks): every prefix
+# of these words, so transformers' Gemma builder can rebuild a merge for each
+GEMMA_WORDS = ("Hello", "\u2581world", "\u2581hello", "\u2581the", "\u2581cat", "\u2581sat")
+GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                       "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of the tiny sentencepiece vocabulary."""
+    tokens = list(GEMMA_SPECIAL) + [f"<0x{byte:02X}>" for byte in range(256)]
+    types = [3] * len(GEMMA_SPECIAL) + [6] * 256  # CONTROL, BYTE
+    types[3] = 2  # <unk>: UNKNOWN
+    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyzH"]
+    pieces += [f"\u2581{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
+    for word in GEMMA_WORDS:
+        pieces += [word[:end] for end in range(2, len(word) + 1)]
+    for piece in dict.fromkeys(pieces):  # in order, once each
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+    scores = [0.0] * len(GEMMA_SPECIAL) + [0.0] * 256
+    scores += [-float(i) for i in range(len(tokens) - len(scores))]
+    return tokens, scores, types
+
+
 def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """A K-quant tensor's raw blocks, random (gguf has no quantizer for these): random quants
     and scales, with small finite float16 super-block scales."""
@@ -127,16 +155,21 @@ def gemma3_model(shape: Shape = GEMMA3_TINY, vocab: int = 49152, seed: int = 0,
 
 def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q8_0,
                     arch: str = "llama", seed: int = 0, v_type: Q | None = None,
-                    tied: bool = True, shape: Shape = TINY) -> Path:
+                    tied: bool = True, shape: Shape = TINY, sentencepiece: bool = False
+                    ) -> Path:
     """A `shape` (by default 2-layer) `arch` model; every linear in `linear_type` (the
     attention's v in `v_type` if given), the token embedding in `embedding_type`, an LM head of
-    its own unless `tied`. F16 for every type writes a file for llama-quantize to quantize."""
+    its own unless `tied`. F16 for every type writes a file for llama-quantize to quantize.
+    The default model's tokenizer, or with `sentencepiece` the tiny one of `gemma_vocab`."""
     hidden, intermediate, heads = shape.hidden, shape.intermediate, shape.heads
     kv_heads, layers = shape.kv_heads, shape.layers
     rng = np.random.default_rng(seed)
-    folder = ensure_default_model(quiet=True)
-    vocab = gguf.vocab.BpeVocab(folder)
-    tokens, _, token_types = zip(*vocab.all_tokens(), strict=True)
+    if sentencepiece:
+        tokens, scores, token_types = gemma_vocab()
+    else:
+        folder = ensure_default_model(quiet=True)
+        vocab = gguf.vocab.BpeVocab(folder)
+        tokens, _, token_types = zip(*vocab.all_tokens(), strict=True)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
     writer.add_block_count(layers)
@@ -159,12 +192,27 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
         writer.add_rope_dimension_count(hidden // heads)
     writer.add_vocab_size(len(tokens))
     writer.add_file_type(1)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(list(tokens))
-    writer.add_token_types(list(token_types))
-    gguf.vocab.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(
-        writer, quiet=True)
+    if sentencepiece:  # as llama.cpp's _set_vocab_sentencepiece writes Gemma's
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(token_types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(False)
+        writer.add_chat_template(GEMMA_CHAT_TEMPLATE)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(list(tokens))
+        writer.add_token_types(list(token_types))
+        gguf.vocab.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(
+            writer, quiet=True)
 
     def add(name: str, n: int, k: int, qtype: Q, scale: float = 0.08) -> None:
         if k % GGML_QUANT_SIZES[qtype][0]:  # rows too narrow for a K-quant: as llama-quantize

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 from drafters_for_tests import OracleDrafter, RandomTreeDrafter
-from gguf_files import GEMMA3_TINY, Q, gemma3_model, random_blocks, write_tiny_gguf
+from gguf_files import (
+    GEMMA3_TINY,
+    Q,
+    gemma3_model,
+    gemma_vocab,
+    random_blocks,
+    write_tiny_gguf,
+)
 from test_batch import run_batched
 from transformers import AutoModelForCausalLM
 
@@ -20,6 +27,7 @@ from dresd.decoding.batch import Request
 from dresd.decoding.forward import HFForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, make_drafter
 from dresd.errors import DresdError
+from dresd.gguf_model import describe, open_gguf
 from dresd.kernels import quant
 from dresd.models import load_target
 
@@ -215,18 +223,24 @@ def test_packing_in_slices_of_rows_gives_the_same_bytes(qtype, monkeypatch):
 
 
 # Gemma-3: sliding-window layers (window 8, the 6th layer global) on transformers' forward, its
-# linears in the quantized kernel; sequences of 40-60 tokens, five windows and more.
+# linears in the quantized kernel; sequences of 35-48 tokens, four windows and more. The files
+# carry a tiny sentencepiece vocabulary as Gemma's files do (`gguf_files.gemma_vocab`).
 
-GEMMA3_FILES = {"gemma3-bf16": (Q.BF16, Q.F32), "gemma3-q8_0": (Q.Q8_0, Q.Q8_0),
-                "gemma3-q4_0": (Q.Q4_0, Q.Q8_0)}
+GEMMA3_FILES = {"gemma3-bf16": (Q.BF16, Q.F32), "gemma3-q4_0": (Q.Q4_0, Q.Q8_0)}
+GEMMA3_VOCAB = len(gemma_vocab()[0])
 
 
 @pytest.fixture(scope="module")
-def gemma3_targets(tmp_path_factory) -> dict:
+def gemma3_files(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("gemma3")
-    return {name: load_target(str(write_tiny_gguf(folder / f"{name}.gguf", linear, embedding,
-                                                  arch="gemma3", shape=GEMMA3_TINY)))
+    return {name: write_tiny_gguf(folder / f"{name}.gguf", linear, embedding, arch="gemma3",
+                                  shape=GEMMA3_TINY, sentencepiece=True)
             for name, (linear, embedding) in GEMMA3_FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def gemma3_targets(gemma3_files) -> dict:
+    return {name: load_target(str(path)) for name, path in gemma3_files.items()}
 
 
 def test_gemma3_file_is_read_as_llama_cpp_reads_it(gemma3_targets):
@@ -245,16 +259,38 @@ def test_gemma3_file_is_read_as_llama_cpp_reads_it(gemma3_targets):
     assert model.lm_head.qtype == Q.Q8_0  # tied: the embedding's blocks
 
 
+def test_gemma3_tokenizer_is_the_files_sentencepiece_vocabulary(gemma3_targets, gemma3_files):
+    """transformers builds Gemma's tokenizer from the file (merges rebuilt from the tokens'
+    order, byte fallback); the chat turn's end is an end of generation, as in llama.cpp."""
+    target = gemma3_targets["gemma3-q4_0"]
+    tokenizer = target.tokenizer
+    tokens = gemma_vocab()[0]
+    assert tokenizer.tokenize("Hello world") == ["Hello", "\u2581world"]
+    ids = tokenizer("Hello world the cat sat!").input_ids
+    assert ids[0] == tokens.index("<bos>")  # the file's add_bos_token
+    assert tokenizer.decode(ids[1:]) == "Hello world the cat sat!"
+    assert tokenizer.tokenize("x!") == ["x", "<0x21>"]  # byte fallback
+    assert tokenizer.tokenize("<start_of_turn>hello")[0] == "<start_of_turn>"
+    assert target.eos_token_ids == [tokens.index("<eos>"), tokens.index("<end_of_turn>")]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert prompt == "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"
+    described = describe(open_gguf(gemma3_files["gemma3-q4_0"]))
+    assert described["dresd_runs_it_natively"] == "yes"
+    assert described["forward"].startswith("transformers'")
+
+
 @pytest.mark.parametrize("name", list(GEMMA3_FILES))
 def test_gemma3_logits_match_transformers_own_model(gemma3_targets, name):
     """The reference: transformers' Gemma3ForCausalLM in float32 with the weights the file
     holds (the model it was written from, its weights through the `gguf` package's quantizers
     and back), on 48 tokens, six windows. With bf16 weights dresd's error is bf16's own
-    (transformers' model cast to bf16: 2.0% here, dresd 2.05%); 8-bit activations add ~2%.
-    The top-1 flips are at near-ties (the reference's two best < 0.35 apart; median 0.4-0.6)."""
+    (transformers' model cast to bf16 errs as much); 8-bit activations add ~2%. Top-1 flips
+    are at near-ties of the reference."""
     linear, embedding = GEMMA3_FILES[name]
-    reference = gemma3_model(GEMMA3_TINY, linear_type=linear, embedding_type=embedding)
-    ids = np.random.default_rng(1).integers(0, 49152, 48).tolist()
+    reference = gemma3_model(GEMMA3_TINY, vocab=GEMMA3_VOCAB, linear_type=linear,
+                             embedding_type=embedding)
+    ids = np.random.default_rng(1).integers(0, GEMMA3_VOCAB, 48).tolist()
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0]
     got = teacher_forced_logits(gemma3_targets[name], ids)
@@ -269,19 +305,19 @@ def test_gemma3_logits_match_transformers_own_model(gemma3_targets, name):
 def test_gemma3_every_method_is_the_files_own_plain_decoding_past_the_window(gemma3_targets):
     target = gemma3_targets["gemma3-q4_0"]
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 49152, 5).tolist(), rng.integers(0, 49152, 19).tolist(),
-               [11, 12, 13, 14] * 4]  # repeats: PLD and suffix drafts
-    eos = target.eos_token_ids
+    prompts = [rng.integers(0, GEMMA3_VOCAB, 5).tolist(),
+               rng.integers(0, GEMMA3_VOCAB, 19).tolist(),
+               [211, 212, 213, 214] * 4]  # repeats: PLD and suffix drafts
     for prompt in prompts:
         plain = speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
-                                     max_new_tokens=30, eos_token_ids=eos).token_ids
+                                     max_new_tokens=30).token_ids
         drafters = [make_drafter("pld"), make_drafter("suffix"),
-                    make_drafter("hybrid", cost={1: 1.0, 4: 1.1, 16: 1.6, 64: 4.0})]
-        drafters += [make_drafter("draft", model=gemma3_targets["gemma3-q8_0"].model),
-                     OracleDrafter(len(prompt), plain, draft_len=6, corrupt=0.5, seed=1,
-                                   vocab_size=49152),
-                     RandomTreeDrafter(seed=len(prompt), vocab_size=49152)]
+                    make_drafter("hybrid", cost={1: 1.0, 4: 1.1, 16: 1.6, 64: 4.0}),
+                    make_drafter("draft", model=gemma3_targets["gemma3-bf16"].model),
+                    OracleDrafter(len(prompt), plain, draft_len=6, corrupt=0.5, seed=1,
+                                  vocab_size=GEMMA3_VOCAB),
+                    RandomTreeDrafter(seed=len(prompt), vocab_size=GEMMA3_VOCAB)]
         for drafter in drafters:
             got = speculative_generate(target.model, drafter, torch.tensor(prompt),
-                                       max_new_tokens=30, eos_token_ids=eos).token_ids
+                                       max_new_tokens=30).token_ids
             assert got == plain, type(drafter).__name__
