@@ -85,27 +85,30 @@ def mt_bench(count: int) -> list[list[str]]:
 def stream_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> dict:
     started = time.perf_counter()
     first, pieces, usage = None, [], None
-    stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
-        stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            if choice.delta.content:
-                first = first if first is not None else time.perf_counter() - started
-                pieces.append(choice.delta.content)
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}) as response:
+        replica = response.headers.get("x-dresd-replica", "-")
+        for chunk in response.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first if first is not None else time.perf_counter() - started
+                    pieces.append(choice.delta.content)
     details = usage.prompt_tokens_details
     return {"question": messages[-1]["content"], "text": "".join(pieces), "ttft_s": first,
             "seconds": time.perf_counter() - started, "tokens": usage.completion_tokens,
             "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": details.cached_tokens if details else 0}
+            "cached_tokens": details.cached_tokens if details else 0, "replica": replica}
 
 
-def wave(client: openai.OpenAI, chats: list[list[dict]], max_tokens: int) -> dict:
-    """All chats at once, one client each; their records and the wave's figures."""
+def wave(client: openai.OpenAI, chats: list[list[dict]], max_tokens: int,
+         concurrency: int | None = None) -> dict:
+    """All chats at once, one client each (or `concurrency` at a time); their records and the
+    wave's figures."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(len(chats)) as pool:
+    with ThreadPoolExecutor(concurrency or len(chats)) as pool:
         records = list(pool.map(lambda chat: stream_chat(client, chat, max_tokens), chats))
     wall = time.perf_counter() - started
     ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
@@ -132,8 +135,9 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Prefix cache under load ({meta['date']})", "",
              f"`{meta['command']}`", "",
-             f"CPU: {meta['cpu']} ({meta['cores']} cores, shared with other work during the "
-             f"run), {meta['threads']} threads per server (`--threads`); model {MODEL} in "
+             f"CPU: {meta['cpu']} ({meta['cores']} cores; load average before and after the "
+             f"run: {', '.join(f'{x:.2f}' for x in meta.get('load_average', []))}), "
+             f"{meta['threads']} threads per server (`--threads`); model {MODEL} in "
              f"{meta['dtype']}, method {meta['method']}; waves of {meta['clients']} concurrent "
              f"streaming clients, {meta['max_tokens']} tokens each; system prompt "
              f"{meta['system_tokens']} tokens; second turns: {meta['multi_turn']}; "
@@ -141,8 +145,9 @@ def markdown(report: dict) -> str:
              "(each round's figures in prefix_cache.json).", "",
              "| server | wave | TTFT p50 (s) | TTFT p99 (s) | tokens/s | prompt tokens "
              "read from the cache |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    present = [w for w in WAVES if report["servers"][NAMES[0]][w]]
     for name in NAMES:
-        for wave_name in WAVES:
+        for wave_name in present:
             runs = report["servers"][name][wave_name]
             lines.append(
                 f"| {name} | {wave_name} | {median([r['ttft_p50_s'] for r in runs]):.2f} | "
@@ -151,13 +156,15 @@ def markdown(report: dict) -> str:
                 f"{runs[0]['cached_tokens']} of {runs[0]['prompt_tokens']} |")
     lines += ["", f"Every output identical with and without the cache: "
               f"{report['identical']} ({report['compared']} outputs compared).", ""]
-    for wave_name in WAVES:
+    for wave_name in present:
         off, on = (report["servers"][name][wave_name] for name in NAMES)
         ttft = median([a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(off, on, strict=True)])
         speed = median([b["tokens_per_s"] / a["tokens_per_s"]
                         for a, b in zip(off, on, strict=True)])
+        spread = sorted(a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in zip(off, on, strict=True))
         lines.append(f"- {wave_name} wave, the median over rounds of each round's ratio: TTFT "
-                     f"p50 {ttft:.1f}x lower with the cache, tokens/s {speed:.2f}x")
+                     f"p50 {ttft:.1f}x lower with the cache (rounds {spread[0]:.1f}-"
+                     f"{spread[-1]:.1f}x), tokens/s {speed:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -176,6 +183,122 @@ def report_wave(round_: int, wave_name: str, name: str, figures: dict) -> None:
           flush=True)
 
 
+ROUTINGS = ("power-of-two", "prefix")
+REPLICA_WAVES = ("system prompt", "first turn", "second turn")
+
+
+def replicas_run(args, system: str, tokenizer) -> int:
+    """`--replicas R`: the cache on, `dresd serve --ray --replicas R` with Ray Serve's default
+    router and with conversation affinity, one server after the other (each its own local Ray).
+    Each round: CLIENTS shared-system-prompt questions, then CLIENTS MT-Bench first turns and
+    their second turns; every round new questions, so no round finds another's entries (the
+    replicas' caches are not emptied between rounds)."""
+    per_round = args.clients
+    chats = [shared_prompt(system, questions(per_round, skip=r * per_round))
+             for r in range(args.rounds)]
+    turns = [mt_bench((r + 1) * per_round)[r * per_round:] for r in range(args.rounds)]
+    figures: dict[str, dict[str, list[dict]]] = {}
+    load = [os.getloadavg()[0]]
+    for routing in ROUTINGS:
+        server = LocalServer(["--threads", str(args.threads), "--dtype", args.dtype,
+                              "--method", args.method, "--max-batch-size", str(args.clients),
+                              "--max-new-tokens", str(args.max_tokens), "--ray",
+                              "--replicas", str(args.replicas), "--replica-routing", routing,
+                              "--log-level", "warning"], startup_timeout=900)
+        figures[routing] = {w: [] for w in REPLICA_WAVES}
+        try:
+            server.start().wait_ready()
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                                   timeout=1800)
+            seen: set[str] = set()  # every replica answers once before the clock starts
+            for index in range(200):
+                seen.add(stream_chat(client, [{"role": "user", "content": f"Hi {index}."}],
+                                     2)["replica"])
+                if len(seen) == args.replicas:
+                    break
+            for round_ in range(args.rounds):
+                runs = figures[routing]
+                runs["system prompt"].append(wave(client, chats[round_], args.max_tokens))
+                report_wave(round_, "system prompt", routing, runs["system prompt"][-1])
+                first = wave(client, [[{"role": "user", "content": t[0]}] for t in turns[round_]],
+                             args.max_tokens)
+                runs["first turn"].append(first)
+                second = [[{"role": "user", "content": t[0]},
+                           {"role": "assistant", "content": record["text"]},
+                           {"role": "user", "content": t[1]}]
+                          for t, record in zip(turns[round_], first["records"], strict=True)]
+                runs["second turn"].append(wave(client, second, args.max_tokens))
+                report_wave(round_, "second turn", routing, runs["second turn"][-1])
+        finally:
+            server.stop()
+        load.append(os.getloadavg()[0])
+    texts = {r: [rec["text"] for w in REPLICA_WAVES for run in figures[r][w]
+                 for rec in run["records"]] for r in ROUTINGS}
+    identical = texts[ROUTINGS[0]] == texts[ROUTINGS[1]]
+    # each conversation's two turns: on one replica or not
+    for routing in ROUTINGS:
+        runs = figures[routing]
+        runs["same replica"] = sum(
+            a["replica"] == b["replica"]
+            for first, second in zip(runs["first turn"], runs["second turn"], strict=True)
+            for a, b in zip(first["records"], second["records"], strict=True))
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    report = {"meta": {"date": now, "command": "PYTHONPATH=src:benchmarks .venv/bin/python "
+                       f"benchmarks/prefix_cache.py --replicas {args.replicas} --threads "
+                       f"{args.threads} --clients {args.clients} --max-tokens {args.max_tokens} "
+                       f"--rounds {args.rounds} --method {args.method} --out {args.out}",
+                       "cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+                       "replicas": args.replicas, "dtype": args.dtype, "method": args.method,
+                       "clients": args.clients, "max_tokens": args.max_tokens,
+                       "rounds": args.rounds, "system_tokens": len(tokenizer.encode(system)),
+                       "load_average": load},
+              "servers": figures, "identical": identical, "compared": len(texts[ROUTINGS[0]])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefix_cache_replicas.json").write_text(json.dumps(report, indent=1))
+    text = replicas_markdown(report)
+    (args.out / "README.md").write_text(text)
+    print(text)
+    return 0 if identical else 1
+
+
+def replicas_markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# Prefix cache across replicas ({meta['date']})", "",
+             f"`{meta['command']}`", "",
+             f"CPU: {meta['cpu']} ({meta['cores']} cores), {meta['replicas']} replicas of "
+             f"{meta['threads']} thread(s) on a local Ray; load average before, between and "
+             f"after: {', '.join(f'{x:.2f}' for x in meta['load_average'])}. Model {MODEL} in "
+             f"{meta['dtype']}, method {meta['method']}, the prefix cache on; each round: "
+             f"{meta['clients']} concurrent streaming chats with a {meta['system_tokens']}-token "
+             f"system prompt and distinct GSM8K questions, then {meta['clients']} MT-Bench first "
+             f"turns and their second turns (sent with the server's own answer); "
+             f"{meta['max_tokens']} tokens each; {meta['rounds']} rounds, new questions each "
+             f"round; medians over rounds (each round in prefix_cache_replicas.json).", "",
+             "| routing | wave | prompt tokens read from the cache (hit rate) | requests per "
+             "replica | TTFT p50 (s) | tokens/s |", "| --- | --- | ---: | --- | ---: | ---: |"]
+    for routing in ROUTINGS:
+        for wave_name in REPLICA_WAVES:
+            runs = report["servers"][routing][wave_name]
+            cached = sum(r["cached_tokens"] for r in runs)
+            prompt = sum(r["prompt_tokens"] for r in runs)
+            spread: dict[str, int] = {}
+            for run in runs:
+                for record in run["records"]:
+                    spread[record["replica"]] = spread.get(record["replica"], 0) + 1
+            lines.append(
+                f"| {routing} | {wave_name} | {cached} of {prompt} ({cached / prompt:.0%}) | "
+                f"{' / '.join(str(n) for n in sorted(spread.values(), reverse=True))} | "
+                f"{median([r['ttft_p50_s'] for r in runs]):.2f} | "
+                f"{median([r['tokens_per_s'] for r in runs]):.1f} |")
+    total = report["meta"]["clients"] * report["meta"]["rounds"]
+    lines += ["", "Conversations whose two turns reached the same replica: " + ", ".join(
+        f"{routing} {report['servers'][routing]['same replica']} of {total}"
+        for routing in ROUTINGS) + ".", "",
+        f"Every output identical under both routings: {report['identical']} "
+        f"({report['compared']} outputs compared)."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=16)
@@ -185,12 +308,29 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--method", default="pld")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_cache"))
+    parser.add_argument("--multi-turn-only", action="store_true",
+                        help="only the MT-Bench workload (no shared-system-prompt waves)")
+    parser.add_argument("--turn-concurrency", type=int, default=None,
+                        help="MT-Bench chats sent this many at a time (default: --clients, all "
+                             "at once); 1: each alone, its TTFT its own prefill")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="R > 0: `--ray --replicas R`, Ray Serve's default routing against "
+                             "conversation affinity, the cache on in both (replicas_run)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/prefix_cache, with --replicas "
+                             "benchmarks/results/prefix_cache_replicas")
     args = parser.parse_args()
+    args.out = args.out or Path("benchmarks/results/prefix_cache"
+                                + ("_replicas" if args.replicas else ""))
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     system = system_prompt(tokenizer, args.system_tokens)
+    if args.replicas:
+        return replicas_run(args, system, tokenizer)
+    load = [os.getloadavg()[0]]
     waves = {"cold": shared_prompt(system, questions(args.clients)),
              "warm": shared_prompt(system, questions(args.clients, skip=args.clients))}
+    if args.multi_turn_only:
+        waves = {}
     turns = mt_bench(args.clients)
     common = ["--threads", str(args.threads), "--dtype", args.dtype, "--method", args.method,
               "--max-batch-size", str(args.clients), "--max-new-tokens", str(args.max_tokens)]
@@ -213,13 +353,14 @@ def main() -> int:
                     report_wave(round_, wave_name, name, figures[name][wave_name][-1])
             for name in order:  # each server's second turns follow its own first answers
                 first = wave(clients[name], [[{"role": "user", "content": t[0]}] for t in turns],
-                             args.max_tokens)
+                             args.max_tokens, args.turn_concurrency)
                 figures[name]["first turn"] = [*figures[name].get("first turn", []), first]
                 second = [[{"role": "user", "content": t[0]},
                            {"role": "assistant", "content": record["text"]},
                            {"role": "user", "content": t[1]}]
                           for t, record in zip(turns, first["records"], strict=True)]
-                figures[name]["second turn"].append(wave(clients[name], second, args.max_tokens))
+                figures[name]["second turn"].append(wave(clients[name], second, args.max_tokens,
+                                                         args.turn_concurrency))
                 report_wave(round_, "second turn", name, figures[name]["second turn"][-1])
     finally:
         for server in servers.values():
@@ -232,13 +373,19 @@ def main() -> int:
                        "command": "PYTHONPATH=src:benchmarks .venv/bin/python "
                                   f"benchmarks/prefix_cache.py --threads {args.threads} "
                                   f"--clients {args.clients} --max-tokens {args.max_tokens} "
-                                  f"--rounds {args.rounds} --method {args.method}",
+                                  f"--rounds {args.rounds} --method {args.method}"
+                                  + (" --multi-turn-only" if args.multi_turn_only else "")
+                                  + (f" --turn-concurrency {args.turn_concurrency}"
+                                     if args.turn_concurrency else "")
+                                  + f" --out {args.out}",
                        "cpu": cpu_model(), "machine": platform.machine(),
                        "cores": os.cpu_count(), "threads": args.threads, "dtype": args.dtype,
                        "method": args.method, "clients": args.clients,
                        "max_tokens": args.max_tokens, "rounds": args.rounds,
                        "system_tokens": len(tokenizer.encode(system)),
-                       "multi_turn": f"MT-Bench questions 1-{args.clients}, both turns"},
+                       "multi_turn": f"MT-Bench questions 1-{args.clients}, both turns, "
+                                     f"{args.turn_concurrency or args.clients} at a time",
+                       "load_average": [*load, os.getloadavg()[0]]},
               "servers": figures, "identical": identical, "compared": len(texts[NAMES[0]])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=1))
