@@ -436,7 +436,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     if left:
         raise GGUFError(f"{path}: no tensor in the file for {', '.join(left[:4])}.")
     types = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type != Q.F32})
-    return model, tokenizer, gguf_fingerprint(reader), f"GGUF {'+'.join(types)}"
+    return model, tokenizer, gguf_fingerprint(reader), f"GGUF {'+'.join(types) or 'F32'}"
 
 
 def _norm(tensors: _Tensors, name: str, size: int, offset: float = 0.0) -> torch.nn.Parameter:
