@@ -34,6 +34,7 @@ from dresd.drafters.hybrid import (
     SourceLedger,
     best_budget,
 )
+from dresd.kernels import drafting
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -127,8 +128,9 @@ class FixedBudget(HybridDrafter):
         super().__init__(**options)
         self.n = n
 
-    def choose_budget(self, ranked_reach: list[float]) -> int:
-        return min(self.n, len(ranked_reach))
+    def _cut(self, tree) -> tuple[list[list[int]], int]:
+        # Free rows: the n most probable nodes (fewer where the tree holds fewer).
+        return tree.cut(self.table, np.ones(self.n + 2), self.n)
 
 
 def recorded(name: str) -> list[Reference]:
@@ -350,7 +352,8 @@ class Retriever(Drafter):
         return [Candidate([7, 8], neighbours=4), Candidate([7, 9], neighbours=1)]
 
 
-def test_hybrid_scores_a_new_source_by_the_features_it_gives():
+def test_hybrid_scores_a_new_source_by_the_features_it_gives(monkeypatch):
+    monkeypatch.setattr(drafting, "kernel", lambda: None)  # the Python tree, to look inside
     drafter = HybridDrafter(cost={1: 1.0, 64: 1.0})
     drafter.sources = {"retriever": Retriever()}
     assert drafter.propose(context([1, 2, 3])) == [[7, 8], [7, 9]]
@@ -358,3 +361,58 @@ def test_hybrid_scores_a_new_source_by_the_features_it_gives():
     seven = tree.children[0][7]
     assert tree.support[seven] == 5 and tree.cell(seven, True).support == 3
     assert tree.first_child(seven) == tree.children[seven][8]  # four neighbours to one
+
+
+class RandomSource(Drafter):
+    """Random candidates over a small vocabulary (shared prefixes, repeats), with random
+    neighbour counts or count shares: what any source may give hybrid."""
+
+    def __init__(self, seed: int, neighbours: bool, shares: bool) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.neighbours, self.shares = neighbours, shares
+
+    def candidates(self, context: DraftContext) -> list[Candidate]:
+        rng, found = self.rng, []
+        for _ in range(int(rng.integers(0, 6))):
+            tokens = rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+            found.append(Candidate(
+                tokens, neighbours=int(rng.integers(0, 6)) if self.neighbours else 0,
+                shares=rng.random(len(tokens)).tolist() if self.shares else None))
+        return found
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler: the Python tree drafts")
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kernels_tree_drafts_and_learns_as_the_python_tree(seed, monkeypatch):
+    """Merge, reach estimates, cut and learning in C give the Python tree's drafts at every
+    step, and the same acceptance counts and ledger after many steps."""
+    rng = np.random.default_rng(seed)
+    kernels = (drafting.kernel, lambda: None)  # compiled, then none: the Python tree
+    drafters = []
+    for kernel in kernels:
+        monkeypatch.setattr(drafting, "kernel", kernel)
+        drafter = HybridDrafter(cost={1: 1.0, 2: 1.1, 8: 1.6, 32: 3.0}, step_seconds=0.01,
+                                max_tree_nodes=int(rng.integers(4, 40)))
+        drafter.clock = ManualClock()
+        drafter.sources = {name: RandomSource(seed * 10 + i, "n" in name, "s" in name)
+                           for i, name in enumerate(["pld", "a retriever (n)", "counts (s)",
+                                                     "both (n, s)"])}
+        drafters.append(drafter)
+    tokens, compared = [7, 7, 7], 0
+    for _ in range(300):
+        drafted, remaining = [], int(rng.integers(1, 12))
+        for drafter, kernel in zip(drafters, kernels, strict=True):
+            monkeypatch.setattr(drafting, "kernel", kernel)
+            drafter.clock.now += 0.001
+            drafted.append(drafter.propose(context(tokens, remaining)))
+        assert drafted[0] == drafted[1]
+        compared += sum(map(len, drafted[0]))
+        # The step emits the first draft's tokens up to a random point, then a bonus token.
+        first = drafted[0][0] if drafted[0] else []
+        tokens = tokens + first[: int(rng.integers(0, len(first) + 1))] + [int(rng.integers(4))]
+    c, python = (d.table for d in drafters)
+    assert isinstance(drafters[0].last.tree, drafting.HybridTree)
+    assert isinstance(drafters[1].last.tree, CandidateTree)
+    assert c.counts == python.counts and sum(t for _, t in c.counts.values()) > 1000
+    assert vars(drafters[0].ledger) == vars(drafters[1].ledger)
+    assert compared > 500

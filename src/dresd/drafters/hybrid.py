@@ -51,7 +51,9 @@ hurts); `prior_strength` = 4 observations, so a few steps of this workload overr
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -70,6 +72,7 @@ from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.errors import UserError
+from dresd.kernels import drafting
 from dresd.models import Target
 
 
@@ -103,30 +106,85 @@ def prior_mean(cell: Cell) -> float:
     return min(0.85, guess) * 0.9 ** (cell.depth - 1) * (1.0 if cell.first else 0.5)
 
 
+MAX_SOURCES = 6  # sources an acceptance table tells apart (a cell's sources are a bitmask)
+NUM_CELLS = (1 << MAX_SOURCES) * 4 * 4 * 2 * 4  # sources x support x depth x first x share
+
+
+def cell_index(cell: Cell, bits: dict[str, int]) -> int:
+    """A cell's place in the table's arrays (the kernel's `hybrid_cell`): (sources bitmask,
+    support, depth - 1, first, share + 1), mixed radix."""
+    mask = sum(1 << bits[name] for name in cell.sources)
+    return (((mask * 4 + cell.support) * 4 + cell.depth - 1) * 2 + cell.first) * 4 + cell.share + 1
+
+
+def cell_at(index: int, names: list[str]) -> Cell:
+    """The cell at `index` (`cell_index` undone), `names[i]` the source of bit i."""
+    index, share = divmod(index, 4)
+    index, first = divmod(index, 2)
+    index, depth = divmod(index, 4)
+    mask, support = divmod(index, 4)
+    sources = tuple(sorted(name for bit, name in enumerate(names) if mask >> bit & 1))
+    return Cell(sources, support, depth + 1, bool(first), share - 1)
+
+
+@functools.cache
+def guessed_priors() -> np.ndarray:
+    """`prior_mean` of every cell: it depends on how many sources a cell has, not which."""
+    priors = np.zeros(NUM_CELLS)
+    names = [str(bit) for bit in range(MAX_SOURCES)]
+    for index in range(NUM_CELLS >> MAX_SOURCES, NUM_CELLS):  # mask 0 (no source): no cell
+        priors[index] = prior_mean(cell_at(index, names))
+    priors.flags.writeable = False
+    return priors
+
+
 @dataclass
 class AcceptanceTable:
     """p(node accepted | parent accepted) per feature cell, a Beta posterior (see module doc).
 
     The prior mean of a cell is `fitted`'s rate where a fitted prior has one (`save`d from the
     table of a replay over recorded runs: `benchmarks/studies/fit_hybrid_prior.py`), else
-    `prior_mean`'s guess.
+    `prior_mean`'s guess. The counts and priors are arrays indexed by `cell_index`, the sources
+    numbered in the order the table first meets them (`bit`), so that the C kernel reads and
+    updates them in place.
     """
 
     prior_strength: float = 4.0
-    counts: dict[Cell, list[float]] = field(default_factory=dict)  # cell -> [accepted, tried]
     fitted: dict[Cell, float] = field(default_factory=dict)  # cell -> fitted prior mean
+    names: list[str] = field(default_factory=list)  # names[i]: the source of bit i
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(NUM_CELLS))
+    tried: np.ndarray = field(default_factory=lambda: np.zeros(NUM_CELLS))
+    priors: np.ndarray = field(default_factory=lambda: guessed_priors().copy())
+
+    def bit(self, source: str) -> int:
+        """The source's bit in a cell's sources mask (a new source takes the next one)."""
+        if source not in self.names:
+            if len(self.names) == MAX_SOURCES:
+                raise UserError(f"hybrid tells at most {MAX_SOURCES} sources apart")
+            self.names.append(source)
+            self._place_fitted()
+        return self.names.index(source)
+
+    def index(self, cell: Cell) -> int:
+        for name in cell.sources:
+            self.bit(name)
+        return cell_index(cell, {name: bit for bit, name in enumerate(self.names)})
 
     def probability(self, cell: Cell) -> float:
-        accepted, tried = self.counts.get(cell, (0.0, 0.0))
-        prior = self.fitted.get(cell)
-        if prior is None:
-            prior = prior_mean(cell)
-        return (accepted + self.prior_strength * prior) / (tried + self.prior_strength)
+        i = self.index(cell)
+        return ((self.accepted[i] + self.prior_strength * self.priors[i])
+                / (self.tried[i] + self.prior_strength))
 
     def observe(self, cell: Cell, accepted: bool) -> None:
-        counts = self.counts.setdefault(cell, [0.0, 0.0])
-        counts[0] += accepted
-        counts[1] += 1
+        i = self.index(cell)
+        self.accepted[i] += accepted
+        self.tried[i] += 1
+
+    @property
+    def counts(self) -> dict[Cell, list[float]]:
+        """Every cell tried so far -> [accepted, tried]."""
+        return {cell_at(int(i), self.names): [float(self.accepted[i]), float(self.tried[i])]
+                for i in np.flatnonzero(self.tried)}
 
     def save(self, path: str | Path, min_tried: int = 20) -> None:
         """The observed rate of every cell tried at least `min_tried` times, as JSON."""
@@ -139,6 +197,14 @@ class AcceptanceTable:
         rows = json.loads(Path(path).read_text())["cells"]
         self.fitted = {Cell(tuple(r["sources"]), r["support"], r["depth"], r["first"],
                             r.get("share", -1)): r["accepted"] / r["tried"] for r in rows}
+        self._place_fitted()
+
+    def _place_fitted(self) -> None:
+        """Fitted priors over the guesses, for the cells whose sources all have a bit."""
+        bits = {name: bit for bit, name in enumerate(self.names)}
+        for cell, rate in self.fitted.items():
+            if all(name in bits for name in cell.sources):
+                self.priors[cell_index(cell, bits)] = rate
 
 
 @dataclass
@@ -218,6 +284,59 @@ class CandidateTree:
             node = self.parents[node]
         return tokens[::-1]
 
+    def cut(self, table: AcceptanceTable, costs: np.ndarray, max_nodes: int
+            ) -> tuple[list[Draft], int]:
+        """Steps 2-3 of the module doc: of the `max_nodes` most probable nodes, the first n that
+        maximise expected tokens per verify cost (`best_budget`, `costs[t]` = cost(t)), as root
+        paths, the most probable leaf first; and n."""
+        reach = self.reach_probabilities(table)
+        order = np.argsort(-np.asarray(reach[1:]), kind="stable")[:max_nodes] + 1
+        n = best_budget([reach[i] for i in order], costs)
+        kept = set(order[:n].tolist())
+        leaves = [v for v in kept if not any(c in kept for c in self.children[v].values())]
+        return [self.path(v) for v in sorted(leaves, key=lambda v: (-reach[v], v))], n
+
+    def learn(self, emitted: list[int], table: AcceptanceTable) -> Counter:
+        """Step 4: every child of a node on the emitted path (the accepted tokens, then the
+        bonus token) is a trial of its cell, accepted if its token came. Returns, per source,
+        the accepted tokens lost without it: those from the first accepted node it alone
+        proposed on (the path breaks there)."""
+        accepted = len(emitted) - 1
+        lost: Counter = Counter()
+        node = 0
+        for depth, token in enumerate(emitted):
+            top = self.first_child(node)
+            for child in self.children[node].values():
+                table.observe(self.cell(child, child == top), self.tokens[child] == token)
+            node = self.children[node].get(token, -1)
+            if node < 0:
+                break
+            if depth < accepted and len(self.sources[node]) == 1:
+                lost.setdefault(self.sources[node][0], accepted - depth)
+        return lost
+
+
+class CompiledCandidateTree(drafting.HybridTree):
+    """`CandidateTree` in the C kernel's columns, with the same `cut` and `learn`."""
+
+    def cut(self, table: AcceptanceTable, costs: np.ndarray, max_nodes: int
+            ) -> tuple[list[Draft], int]:
+        reach = self.reach(table.accepted, table.tried, table.priors, table.prior_strength)
+        leaves, n = self.kept_leaves(reach, costs, max_nodes)
+        return self.paths(leaves), n
+
+    def learn(self, emitted: list[int], table: AcceptanceTable) -> Counter:
+        by_bit = self.observe(emitted, table.accepted, table.tried, len(table.names))
+        return Counter({table.names[bit]: n for bit, n in enumerate(by_bit) if n >= 0})
+
+
+Tree = CandidateTree | CompiledCandidateTree
+
+
+def tree_size(tree: Tree) -> int:
+    """Nodes, the root included."""
+    return tree.nodes if isinstance(tree, CompiledCandidateTree) else len(tree.tokens)
+
 
 @dataclass
 class SourceLedger:
@@ -274,7 +393,7 @@ class SourceLedger:
 class LastStep:
     """What the next call needs to score a step: its candidates and what it spent."""
 
-    tree: CandidateTree
+    tree: Tree
     length: int  # context length when it drafted
     tail: np.ndarray  # the context's last 16 tokens, to tell a new generation apart
     source_seconds: dict[str, float]  # source -> seconds it took (the sources consulted)
@@ -330,7 +449,7 @@ class HybridDrafter(HybridOptions, Drafter):
     source ledger it learns, and the step it drafted last."""
 
     name = "hybrid"
-    sizes_its_trees = True  # its own budget (`choose_budget`) prices each tree by the curve
+    sizes_its_trees = True  # its own budget (`_cut`) prices each tree by the curve
     sources: dict[str, Drafter]  # name (a feature of the nodes it proposes) -> source
     table: AcceptanceTable
     ledger: SourceLedger
@@ -389,37 +508,47 @@ class HybridDrafter(HybridOptions, Drafter):
         continued = self._learn(context.token_ids)
         self.steps += 1
         skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
-        tree, source_seconds = CandidateTree(), {}
+        gathered, source_seconds = [], {}
         draft_len = min(self.draft_len, context.max_draft_len)
         for name, source in self.sources.items() if draft_len >= 1 else []:
             if name == skip:
                 continue
             source_started = self.clock()
-            for candidate in source.candidates(context):
-                tree.add(candidate, name, draft_len)
+            gathered.append((name, source.candidates(context)))
             source_seconds[name] = self.clock() - source_started
+        tree = self._merge(gathered, draft_len)
         length = len(context.token_ids)
         step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
                                     source_seconds, first=not continued)
-        drafts, step.verified = self._cut(tree) if len(tree.tokens) > 1 else ([], 0)
+        drafts, step.verified = self._cut(tree) if tree_size(tree) > 1 else ([], 0)
         step.seconds = self.clock() - started
         return drafts
 
-    def _cut(self, tree: CandidateTree) -> tuple[list[Draft], int]:
-        """The candidates worth verifying (steps 2-3 of the module doc) as root paths, and how
-        many tree nodes they hold."""
-        reach = tree.reach_probabilities(self.table)
-        order = np.argsort(-np.asarray(reach[1:]), kind="stable")[: self.max_tree_nodes] + 1
-        n = self.choose_budget([reach[i] for i in order])
-        kept = set(order[:n].tolist())
-        leaves = [v for v in kept if not any(c in kept for c in tree.children[v].values())]
-        return [tree.path(v) for v in sorted(leaves, key=lambda v: -reach[v])], n
+    def _merge(self, gathered: list[tuple[str, list[Candidate]]], draft_len: int) -> Tree:
+        """Every source's candidates, cut to `draft_len`, in one trie (step 1 of the module doc):
+        the kernel's columns where it is compiled, else a `CandidateTree`."""
+        if drafting.kernel() is None:
+            tree = CandidateTree()
+            for name, candidates in gathered:
+                for candidate in candidates:
+                    tree.add(candidate, name, draft_len)
+            return tree
+        tokens, offsets, bits, neighbours, shares = [], [0], [], [], []
+        for name, candidates in gathered:
+            bit = 1 << self.table.bit(name)
+            for draft, count, token_shares in candidates:
+                tokens += draft
+                offsets.append(len(tokens))
+                bits.append(bit)
+                neighbours.append(count)
+                shares += [math.nan] * len(draft) if token_shares is None else token_shares
+        return CompiledCandidateTree(tokens, offsets, bits, neighbours, shares, draft_len)
 
-    def choose_budget(self, ranked_reach: list[float]) -> int:
-        """How many of the candidates (most probable first) this step verifies."""
-        if len(self.costs) < len(ranked_reach) + 2:  # cost(t) for every tree size up to here
-            self.costs = cost_table(self.cost, max(len(ranked_reach), self.max_tree_nodes) + 1)
-        return best_budget(ranked_reach, self.costs)
+    def _cut(self, tree: Tree) -> tuple[list[Draft], int]:
+        """The candidates worth verifying as root paths, and how many tree nodes they hold."""
+        if len(self.costs) < self.max_tree_nodes + 2:  # cost(t) for every tree size it may keep
+            self.costs = cost_table(self.cost, self.max_tree_nodes + 1)
+        return tree.cut(self.table, self.costs, self.max_tree_nodes)
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: the sources that learn from outputs (see `learn`) take it."""
@@ -438,18 +567,7 @@ class HybridDrafter(HybridOptions, Drafter):
                 token_ids[length - len(step.tail) : length], step.tail):
             return False  # a new generation: the last step's candidates are not comparable
         emitted = token_ids[length:].tolist()
-        accepted = len(emitted) - 1  # the last one is the bonus token
-        lost: Counter = Counter()  # source -> accepted tokens lost without it
-        node = 0
-        for depth, token in enumerate(emitted):
-            top = tree.first_child(node)
-            for child in tree.children[node].values():
-                self.table.observe(tree.cell(child, child == top), tree.tokens[child] == token)
-            node = tree.children[node].get(token, -1)
-            if node < 0:
-                break
-            if depth < accepted and len(tree.sources[node]) == 1:
-                lost.setdefault(tree.sources[node][0], accepted - depth)  # the path breaks here
+        lost = tree.learn(emitted, self.table)  # source -> accepted tokens lost without it
         # A generation's first call also reads its prompt (suffix builds the prompt's tree):
         # a cost per generation, not per step, which leaving a source out would not save.
         if self.step_seconds and not step.first:

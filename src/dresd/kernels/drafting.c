@@ -162,7 +162,8 @@ int dresd_suffix_context_tree(const int64_t *context, int64_t n, int max_depth, 
     int max_match = max_depth - 1 < n ? max_depth - 1 : (int)n;
     /* L[e], capped at max_match; L[n-1] = max_match. */
     int32_t *common = malloc(sizeof(int32_t) * n);
-    Expansion x = {context, n, max_depth, max_len, single_path, min_prob};
+    Expansion x = {.context = context, .n = n, .max_depth = max_depth, .max_len = max_len,
+                   .single_path = single_path, .min_prob = min_prob};
     x.pool_size = n + 256;  /* grown on demand (`reserve`) */
     x.pool = malloc(sizeof(int32_t) * x.pool_size);
     x.next = malloc(sizeof(Next) * n);
@@ -230,4 +231,187 @@ done:
     free(grown_tokens);
     free(grown_probs);
     return result;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Hybrid's candidate tree (drafters/hybrid.py, `CandidateTree` and `HybridDrafter._cut` /
+ * `_learn`), on flat arrays: merge every source's candidates into one trie, estimate each
+ * node's reach from the acceptance table, keep the tree that maximises expected tokens per unit
+ * of verify cost, and later score its nodes against the tokens the step emitted. Node features
+ * and the table's cells as there; a cell is one integer (`hybrid_cell`), the table three arrays
+ * indexed by it. The same float operations in the same order as the Python, which the tests
+ * check node for node.
+ * ------------------------------------------------------------------------------------------- */
+
+/* The tree's columns, each `capacity` int32 long, one block: node 0 is the root. */
+enum { T_TOKEN, T_PARENT, T_DEPTH, T_SOURCES, T_SUPPORT, T_VOTES, T_SHARE, T_FIRST_KID,
+       T_NEXT_SIBLING, T_LAST_KID, T_COLUMNS };
+
+#define COLUMN(tree, capacity, column) ((tree) + (int64_t)(column) * (capacity))
+
+static int share_bucket(double share) { return share < 0.4 ? 0 : share < 0.8 ? 1 : 2; }
+
+static int support_bucket(int neighbours) {
+    return neighbours == 0 ? 0 : neighbours == 1 ? 1 : neighbours < 4 ? 2 : 3;
+}
+
+/* A node's cell: (sources bitmask, support bucket, depth 1-4, first, share bucket + 1). */
+static int hybrid_cell(const int32_t *tree, int capacity, int node, int first) {
+    int depth = COLUMN(tree, capacity, T_DEPTH)[node];
+    if (depth > 4) depth = 4;
+    int cell = COLUMN(tree, capacity, T_SOURCES)[node];
+    cell = cell * 4 + support_bucket(COLUMN(tree, capacity, T_SUPPORT)[node]);
+    cell = cell * 4 + depth - 1;
+    cell = cell * 2 + first;
+    return cell * 4 + COLUMN(tree, capacity, T_SHARE)[node] + 1;
+}
+
+/* The child most candidates pass through (the earliest on ties); -1 if none. */
+static int first_child(const int32_t *tree, int capacity, int node) {
+    const int32_t *votes = COLUMN(tree, capacity, T_VOTES);
+    const int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
+    int best = -1;
+    for (int kid = COLUMN(tree, capacity, T_FIRST_KID)[node]; kid >= 0; kid = next[kid])
+        if (best < 0 || votes[kid] > votes[best]) best = kid;
+    return best;
+}
+
+/* Merge candidates into the tree (which holds `nodes` nodes, 1: the root alone): candidate c is
+ * tokens[offsets[c] .. offsets[c + 1]), cut to max_len, from the source of bit sources[c], with
+ * neighbours[c] neighbours and per-token count shares (NaN: none). Returns the node count, or
+ * -1 when the tree is full. */
+int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *tokens,
+                       const int64_t *offsets, int candidates, const int32_t *sources,
+                       const int32_t *neighbours, const double *shares, int max_len) {
+    int32_t *token = COLUMN(tree, capacity, T_TOKEN), *parent = COLUMN(tree, capacity, T_PARENT);
+    int32_t *depth = COLUMN(tree, capacity, T_DEPTH), *mask = COLUMN(tree, capacity, T_SOURCES);
+    int32_t *support = COLUMN(tree, capacity, T_SUPPORT);
+    int32_t *votes = COLUMN(tree, capacity, T_VOTES), *share = COLUMN(tree, capacity, T_SHARE);
+    int32_t *first = COLUMN(tree, capacity, T_FIRST_KID);
+    int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
+    int32_t *last = COLUMN(tree, capacity, T_LAST_KID);
+    if (nodes == 0) {  /* the root */
+        token[0] = -1; parent[0] = -1; depth[0] = 0; mask[0] = 0; support[0] = 0; votes[0] = 0;
+        share[0] = -1; first[0] = -1; next[0] = -1; last[0] = -1;
+        nodes = 1;
+    }
+    for (int c = 0; c < candidates; c++) {
+        int64_t length = offsets[c + 1] - offsets[c];
+        if (max_len >= 0 && length > max_len) length = max_len;
+        int vote = neighbours[c] > 1 ? neighbours[c] : 1;
+        int node = 0;
+        for (int64_t position = 0; position < length; position++) {
+            int32_t t = (int32_t)tokens[offsets[c] + position];
+            int child = first[node];
+            while (child >= 0 && token[child] != t) child = next[child];
+            if (child < 0) {
+                if (nodes >= capacity) return -1;
+                child = nodes++;
+                token[child] = t; parent[child] = node; depth[child] = depth[node] + 1;
+                mask[child] = 0; support[child] = 0; votes[child] = 0; share[child] = -1;
+                first[child] = -1; next[child] = -1; last[child] = -1;
+                if (last[node] >= 0) next[last[node]] = child; else first[node] = child;
+                last[node] = child;
+            }
+            mask[child] |= sources[c];
+            support[child] += neighbours[c];
+            votes[child] += vote;
+            double s = shares[offsets[c] + position];
+            if (s == s) {  /* not NaN */
+                int bucket = share_bucket(s);
+                if (bucket > share[child]) share[child] = bucket;
+            }
+            node = child;
+        }
+    }
+    return nodes;
+}
+
+/* reach[v] = P(verification reaches v), from the table's p(cell) = (accepted + strength *
+ * prior) / (tried + strength); siblings scaled to sum to at most 1. */
+void dresd_hybrid_reach(const int32_t *tree, int capacity, int nodes, const double *accepted,
+                        const double *tried, const double *prior, double strength,
+                        double *reach) {
+    const int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
+    reach[0] = 1.0;
+    for (int node = 0; node < nodes; node++) {  /* parents come before children */
+        int kid = COLUMN(tree, capacity, T_FIRST_KID)[node];
+        if (kid < 0) continue;
+        int top = first_child(tree, capacity, node);
+        double total = 0.0;
+        for (int v = kid; v >= 0; v = next[v]) {
+            int cell = hybrid_cell(tree, capacity, v, v == top);
+            reach[v] = (accepted[cell] + strength * prior[cell]) / (tried[cell] + strength);
+            total += reach[v];
+        }
+        double scale = 1.0 / total < 1.0 ? 1.0 / total : 1.0;
+        for (int v = kid; v >= 0; v = next[v]) reach[v] = reach[node] * reach[v] * scale;
+    }
+}
+
+static __thread const double *sort_reach;  /* qsort's key: reach descending, then node ascending */
+
+static int by_reach(const void *a, const void *b) {
+    int x = *(const int32_t *)a, y = *(const int32_t *)b;
+    if (sort_reach[x] != sort_reach[y]) return sort_reach[x] > sort_reach[y] ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+/* The cut: the max_nodes most probable nodes, of which the first n with n maximising
+ * (1 + their reach summed) / costs[n + 1] are kept (n = 0: nothing). Writes the kept nodes'
+ * leaves, most probable first, to leaves; returns the leaf count and sets *kept_out = n.
+ * order and is_parent: scratch of `nodes` entries. */
+int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double *reach,
+                     const double *costs, int max_nodes, int32_t *order, uint8_t *is_parent,
+                     int32_t *leaves, int *kept_out) {
+    for (int v = 1; v < nodes; v++) order[v - 1] = v;
+    sort_reach = reach;
+    qsort(order, nodes - 1, sizeof(int32_t), by_reach);
+    int ranked = nodes - 1 < max_nodes ? nodes - 1 : max_nodes;
+    double summed = 0.0, best = 1.0 / costs[1];  /* 1 + the reach summed, as numpy's cumsum */
+    int kept = 0;
+    for (int n = 1; n <= ranked; n++) {
+        summed += reach[order[n - 1]];
+        double ratio = (1.0 + summed) / costs[n + 1];
+        if (ratio > best) { best = ratio; kept = n; }
+    }
+    *kept_out = kept;
+    /* A kept node is a leaf when none of the kept nodes is its child: mark their parents. */
+    memset(is_parent, 0, nodes);
+    const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
+    for (int i = 0; i < kept; i++) is_parent[parent[order[i]]] = 1;
+    int count = 0;
+    for (int i = 0; i < kept; i++)  /* order is by reach, then node: the leaves' order too */
+        if (!is_parent[order[i]]) leaves[count++] = order[i];
+    return count;
+}
+
+/* Score the tree's nodes against the tokens the step emitted (the accepted path, then the
+ * bonus token): every child of a node on the path is a trial of its cell, accepted if its
+ * token came. lost[s] (-1 when none): the accepted tokens lost without source bit s, from the
+ * first accepted node it alone proposed on. */
+void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitted, int count,
+                        double *accepted, double *tried, int32_t *lost, int sources) {
+    const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
+    const int32_t *mask = COLUMN(tree, capacity, T_SOURCES);
+    const int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
+    for (int s = 0; s < sources; s++) lost[s] = -1;
+    int node = 0, accepted_tokens = count - 1;  /* the last one is the bonus token */
+    for (int depth = 0; depth < count; depth++) {
+        int top = first_child(tree, capacity, node), found = -1;
+        for (int kid = COLUMN(tree, capacity, T_FIRST_KID)[node]; kid >= 0; kid = next[kid]) {
+            int cell = hybrid_cell(tree, capacity, kid, kid == top);
+            int hit = token[kid] == emitted[depth];
+            accepted[cell] += hit;
+            tried[cell] += 1;
+            if (hit) found = kid;
+        }
+        node = found;
+        if (node < 0) break;
+        int m = mask[node];
+        if (depth < accepted_tokens && m && !(m & (m - 1))) {  /* one source alone */
+            int s = __builtin_ctz(m);
+            if (lost[s] < 0) lost[s] = accepted_tokens - depth;
+        }
+    }
 }

@@ -1,13 +1,16 @@
-"""Drafting in C (`kernels/drafting.c`): the suffix drafter's tree over the request's own tokens.
+"""Drafting in C (`kernels/drafting.c`): the suffix drafter's tree over the request's own tokens,
+and hybrid's candidate tree (merge, reach estimates, cut, learning).
 
 Why: drafting runs between two verify forwards, on the critical path, and the forward got fast
 (~8 ms a step for the default model on one core). The suffix drafter kept a per-request suffix
 trie of Python nodes, D nodes touched for every token of the context (~60 us a token); the
 kernel reads the context itself in one pass and grows the same tree, so a step costs what its
 matches cost, whatever the drafter skipped before (`benchmarks/results/drafter_profile/`).
+Hybrid merged and scored its candidates one Python object per node; here they are columns of
+one int32 block, and its acceptance table three arrays indexed by cell.
 
 Portable C (no instruction-set flags): where there is no compiler, or `DRESD_C_DRAFTING=0`,
-`kernel()` is None and the Python trie drafts the same trees.
+`kernel()` is None and the Python trie and `CandidateTree` draft the same trees.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ def kernel() -> ctypes.CDLL | None:
     function.argtypes = [pointer, i64, i32, f64, f64, i32, f64, i32, i32,
                          pointer, pointer, pointer, pointer]
     function.restype = i32
+    library.dresd_hybrid_merge.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer,
+                                           pointer, pointer, i32]
+    library.dresd_hybrid_merge.restype = i32
+    library.dresd_hybrid_reach.argtypes = [pointer, i32, i32, pointer, pointer, pointer, f64,
+                                           pointer]
+    library.dresd_hybrid_reach.restype = None
+    library.dresd_hybrid_cut.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer,
+                                         pointer, pointer, ctypes.POINTER(ctypes.c_int)]
+    library.dresd_hybrid_cut.restype = i32
+    library.dresd_hybrid_learn.argtypes = [pointer, i32, pointer, i32, pointer, pointer, pointer,
+                                           i32]
+    library.dresd_hybrid_learn.restype = None
     return library
 
 
@@ -67,3 +82,79 @@ def suffix_context_tree(context: np.ndarray, max_depth: int, factor: float, offs
         raise MemoryError("the suffix drafting kernel ran out of memory")
     return ContextTree(tokens[:count].tolist(), parents[:count].tolist(),
                        probs[:count].tolist(), match_len.value)
+
+
+# The columns of a `HybridTree` block, in the kernel's order (`T_TOKEN` ... in drafting.c).
+TREE_COLUMNS = ("tokens", "parents", "depths", "sources", "support", "votes", "shares",
+                "first_kid", "next_sibling", "last_kid")
+
+
+class HybridTree:
+    """Hybrid's merged candidate trie in the kernel's columns (node 0: the root). `sources` holds
+    each node's proposing sources as a bitmask (bit i: the acceptance table's i-th source),
+    `shares` the best count-share bucket (-1: none). The kernel must be loaded."""
+
+    def __init__(self, tokens: list[int], offsets: list[int], sources: list[int],
+                 neighbours: list[int], shares: list[float], max_len: int) -> None:
+        """Merge candidates: candidate c is tokens[offsets[c] : offsets[c + 1]] (cut to
+        `max_len`) with its source's bit, its neighbour count and per-token shares (NaN:
+        none)."""
+        self.capacity = len(tokens) + 1  # every token a node at most, and the root
+        self.block = np.empty((len(TREE_COLUMNS), self.capacity), dtype=np.int32)
+        # Named, so that each array lives until the call returns (`.ctypes.data` is a number).
+        arrays = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
+                  np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
+                  np.asarray(shares, np.float64))
+        tokens_, offsets_, sources_, neighbours_, shares_ = (a.ctypes.data for a in arrays)
+        self.nodes = kernel().dresd_hybrid_merge(
+            self.block.ctypes.data, self.capacity, 0, tokens_, offsets_, len(offsets) - 1,
+            sources_, neighbours_, shares_, max_len)
+
+    def column(self, name: str) -> np.ndarray:
+        return self.block[TREE_COLUMNS.index(name), : self.nodes]
+
+    def reach(self, accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray,
+              strength: float) -> np.ndarray:
+        """P(verification reaches v) for every node, from the table's arrays."""
+        reach = np.empty(self.nodes, dtype=np.float64)
+        kernel().dresd_hybrid_reach(self.block.ctypes.data, self.capacity, self.nodes,
+                                    accepted.ctypes.data, tried.ctypes.data, prior.ctypes.data,
+                                    strength, reach.ctypes.data)
+        return reach
+
+    def kept_leaves(self, reach: np.ndarray, costs: np.ndarray, max_nodes: int
+                    ) -> tuple[list[int], int]:
+        """(the kept tree's leaves, most probable first; how many nodes it keeps)."""
+        order = np.empty(self.nodes, dtype=np.int32)
+        is_parent = np.empty(self.nodes, dtype=np.uint8)
+        leaves = np.empty(self.nodes, dtype=np.int32)
+        kept = ctypes.c_int(0)
+        count = kernel().dresd_hybrid_cut(self.block.ctypes.data, self.capacity, self.nodes,
+                                          reach.ctypes.data, costs.ctypes.data, max_nodes,
+                                          order.ctypes.data, is_parent.ctypes.data,
+                                          leaves.ctypes.data, ctypes.byref(kept))
+        return leaves[:count].tolist(), kept.value
+
+    def paths(self, leaves: list[int]) -> list[list[int]]:
+        """Each leaf's tokens from the root's child down."""
+        tokens, parents = self.block[0].tolist(), self.block[1].tolist()
+        paths = []
+        for node in leaves:
+            path = []
+            while node > 0:
+                path.append(tokens[node])
+                node = parents[node]
+            paths.append(path[::-1])
+        return paths
+
+    def observe(self, emitted: list[int], accepted: np.ndarray, tried: np.ndarray,
+                num_sources: int) -> list[int]:
+        """Count every child of the emitted path's nodes as a trial of its cell (accepted if its
+        token came); per source bit, the accepted tokens lost without it (-1: none)."""
+        lost = np.empty(max(num_sources, 1), dtype=np.int32)
+        tokens = np.asarray(emitted, np.int64)  # named: alive until the call returns
+        kernel().dresd_hybrid_learn(self.block.ctypes.data, self.capacity,
+                                    tokens.ctypes.data, len(emitted),
+                                    accepted.ctypes.data, tried.ctypes.data, lost.ctypes.data,
+                                    num_sources)
+        return lost[:num_sources].tolist()
