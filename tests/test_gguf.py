@@ -321,3 +321,24 @@ def test_gemma3_every_method_is_the_files_own_plain_decoding_past_the_window(gem
             got = speculative_generate(target.model, drafter, torch.tensor(prompt),
                                        max_new_tokens=30).token_ids
             assert got == plain, type(drafter).__name__
+
+
+@pytest.mark.parametrize("name", ["blk.1.post_ffw_norm.weight", "blk.0.attn_q_norm.weight",
+                                  "blk.2.attn_k.weight"])
+def test_gemma3_file_missing_or_misshapen_tensor_is_an_error_naming_it(tmp_path, monkeypatch,
+                                                                       name):
+    write = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(writer, tensor_name, tensor, *args, **kwargs):
+        if tensor_name != name:
+            write(writer, tensor_name, tensor, *args, **kwargs)
+        elif name == "blk.0.attn_q_norm.weight":  # a value short
+            write(writer, tensor_name, tensor[:-1], *args, **kwargs)
+        # the others: left out
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    path = write_tiny_gguf(tmp_path / "bad.gguf", Q.Q8_0, Q.Q8_0, arch="gemma3",
+                           shape=GEMMA3_TINY, sentencepiece=True)
+    monkeypatch.undo()
+    with pytest.raises(DresdError, match=name.replace(".", r"\.")):
+        load_target(str(path))
