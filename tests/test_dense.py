@@ -20,6 +20,7 @@ from dresd.datastore import dense
 from dresd.datastore.format import AtomicBuild, DatastoreError, partial_dir, read_manifest
 from dresd.datastore.inspect import describe
 from dresd.drafters import DenseDrafter, DraftContext
+from dresd.kernels import drafting
 from dresd.models import Target
 from dresd.regenerate import RegenerateConfig, regenerate
 from dresd.runner import GenerationSettings, MethodRunner
@@ -330,3 +331,33 @@ def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target
         result = hybrid.generate(ids)
         assert result.token_ids == default_references(ids, NEW_TOKENS)
         assert len(result.token_ids) / result.num_target_forwards >= 2.0
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler: numpy reads the store")
+def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeypatch):
+    """The drafts the C kernel slices from the store after the search (bonus filter, document
+    ends, draft length) and what DReSD makes of them (the paper's shape, a node budget, the
+    candidates hybrid takes) equal the numpy path's, on states around the store's own."""
+    rng = np.random.default_rng(0)
+    shapes = [DenseDrafter(str(datastore), k=50),
+              DenseDrafter(str(datastore), k=50, max_tree_nodes=4),
+              DenseDrafter(str(datastore), k=200, max_tree_nodes=32, num_drafts=3)]
+    transform = shapes[0].store.transform
+    compared = 0
+    for trial in range(20):
+        state = transform.mean + transform.std * rng.normal(size=len(transform.mean))
+        state = torch.tensor(state, dtype=torch.float32)
+        ids = shapes[0].store.search(state.numpy(), 50)
+        start, _ = shapes[0].store.value_bounds(ids[trial % 5 : trial % 5 + 1])
+        bonus = int(shapes[0].store.stream[start[0]])  # a searched entry's next token
+        for drafter, draft_len in zip(shapes, (10, 3, 1), strict=True):
+            context = DraftContext(np.array([1, 2, bonus]), state, draft_len)
+            outputs = []
+            for kernel in (drafting.kernel, lambda: None):
+                with monkeypatch.context() as patch:
+                    patch.setattr(drafting, "kernel", kernel)
+                    outputs.append((drafter.neighbour_drafts(context, draft_len),
+                                    drafter.propose(context), drafter.candidates(context)))
+            assert outputs[0] == outputs[1]
+            compared += len(outputs[0][0])
+    assert compared > 100

@@ -74,7 +74,7 @@ def test_a_fitted_prior_replaces_the_guess(tmp_path):
 
 
 def test_dense_drafts_are_cut_where_no_other_neighbour_follows():
-    drafts = [np.array(d) for d in ([9, 9, 9], [1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4],
+    drafts = [list(d) for d in ([9, 9, 9], [1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 3, 4],
                                     [7, 8, 9])]
     kept = agreeing_prefixes(drafts)
     assert kept == {(9, 9, 9): 1,  # the nearest neighbour's draft: whole

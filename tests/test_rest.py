@@ -16,6 +16,7 @@ from dresd.datastore.sparse import build_sparse
 from dresd.decoding import speculative_generate
 from dresd.drafters import DraftContext, RestDrafter, make_drafter
 from dresd.drafters.prefixes import prefix_tree_drafts
+from dresd.kernels import drafting
 from dresd.models import default_model_dir
 
 torch.set_num_threads(1)
@@ -73,8 +74,13 @@ def brute_force_top_prefixes(continuations: list[list[int]], max_nodes: int
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_prefix_tree_drafts_equal_brute_force(seed):
+@pytest.mark.parametrize("ranking", ["C kernel", "numpy"])
+def test_prefix_tree_drafts_equal_brute_force(seed, ranking, monkeypatch):
     """Any token ids (0 included), repeats and empty rows, every node budget."""
+    if ranking == "numpy":
+        monkeypatch.setattr(drafting, "kernel", lambda: None)
+    elif drafting.kernel() is None:
+        pytest.skip("no C compiler: numpy ranks")
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(2, 6))  # few tokens: many shared prefixes and ties
     continuations = [rng.integers(vocab, size=int(rng.integers(0, 7))).tolist()
@@ -105,7 +111,13 @@ OPTION_SETS = [
 
 @pytest.mark.parametrize("options", OPTION_SETS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_rest_equals_brute_force_on_random_streams(tmp_path, seed, options):
+@pytest.mark.parametrize("lookup", ["C kernel", "numpy"])
+def test_rest_equals_brute_force_on_random_streams(tmp_path, seed, options, lookup,
+                                                    monkeypatch):
+    if lookup == "numpy":
+        monkeypatch.setattr(drafting, "kernel", lambda: None)
+    elif drafting.kernel() is None:
+        pytest.skip("no C compiler: numpy looks up")
     rng = np.random.default_rng(seed)
     ids = rng.choice(np.arange(100_000), size=6 + 4 * seed, replace=False)  # ids > 65,535 too
     docs = random_docs(rng, ids, num_docs=30, max_len=150)

@@ -239,24 +239,24 @@ class Shape:
 
 
 def neighbour_values(store: StudyStore, entries: np.ndarray, bonus: int,
-                     draft_len: int) -> list[np.ndarray]:
+                     draft_len: int) -> list[list[int]]:
     """As `DenseDrafter.neighbour_drafts`: the drafts of the entries whose stored next token is
     the bonus token, in rank order, cut at their document's end."""
     entries = entries[entries >= 0]
     start = store.offsets[entries] + 1
     end = np.minimum(start + store.value_len, store.doc_starts[store.entry_doc[entries] + 1])
     keep = store.stream[start] == bonus
-    return [store.stream[b + 1 : min(e, b + 1 + draft_len)]
+    return [store.stream[b + 1 : min(e, b + 1 + draft_len)].tolist()
             for b, e in zip(start[keep], end[keep], strict=True)]
 
 
-def budget_in_rank_order(drafts: list[np.ndarray], max_nodes: int) -> list[list[int]]:
+def budget_in_rank_order(drafts: list[list[int]], max_nodes: int) -> list[list[int]]:
     """Drafts in rank order, each adding its new nodes, until the tree holds `max_nodes`."""
     nodes: set[tuple[int, ...]] = set()
     kept = []
     for draft in drafts:
         path = []
-        for token in draft.tolist():
+        for token in draft:
             path.append(token)
             if tuple(path) not in nodes:
                 if len(nodes) == max_nodes:

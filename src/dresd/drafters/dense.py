@@ -64,33 +64,33 @@ import numpy as np
 from dresd.datastore.dense import DenseDatastore
 from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.learned import LearnedDenseStore
-from dresd.drafters.prefixes import prefix_tree_drafts
+from dresd.drafters.prefixes import padded_prefix_tree, prefix_tree_drafts
 from dresd.errors import UserError
+from dresd.kernels import drafting
 from dresd.models import Target
 
 
-def distinct_drafts(every: list[np.ndarray], num_drafts: int) -> list[Draft]:
+def distinct_drafts(every: list[list[int]], num_drafts: int) -> list[Draft]:
     """The paper's shape: the first `num_drafts` distinct non-empty drafts, in rank order."""
     drafts: list[Draft] = []
-    for values in every:
-        draft = values.tolist()
+    for draft in every:
         if draft and draft not in drafts:
-            drafts.append(draft)
+            drafts.append(list(draft))
             if len(drafts) == num_drafts:
                 break
     return drafts
 
 
-def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int]:
+def agreeing_prefixes(neighbours: list[list[int]]) -> dict[tuple[int, ...], int]:
     """The neighbours' drafts, each distinct one with its count, cut where no other draft
     follows it any more: one token past the longest prefix it shares with another draft. The
     nearest neighbour's draft and repeated drafts stay whole. A lone tail is a candidate that
     one neighbour in k proposes, rarely worth a node; dropping it keeps `hybrid`'s tree (and
     the time to build and score it) small."""
-    counts = Counter(tuple(d.tolist()) for d in neighbours)
+    counts = Counter(map(tuple, neighbours))
     if len(counts) < 2:
         return dict(counts)
-    nearest = tuple(neighbours[0].tolist())
+    nearest = tuple(neighbours[0])
     ordered = sorted(counts)  # drafts that share a prefix are neighbours in this order
 
     def shared(a: tuple, b: tuple) -> int:
@@ -106,6 +106,12 @@ def agreeing_prefixes(neighbours: list[np.ndarray]) -> dict[tuple[int, ...], int
         cut = max(lcp[i - 1] if i > 0 else 0, lcp[i] if i < len(lcp) else 0) + 1
         kept[draft if whole else draft[:cut]] += counts[draft]
     return dict(kept)
+
+
+def unpadded(rows: np.ndarray) -> list[list[int]]:
+    """Rows of token ids + 1 followed by zeros, as token-id lists."""
+    lengths = np.count_nonzero(rows, axis=1).tolist()
+    return [row[:n] for row, n in zip((rows - 1).tolist(), lengths, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -159,31 +165,45 @@ class DenseDrafter(DenseOptions, Drafter):
             variant.learned = self.learned
         return variant
 
-    def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[np.ndarray]:
+    def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[list[int]]:
         """Every kept neighbour's draft, in rank order, repeats included: the entries (of the
         datastore, and of the learned store with `learn`) whose stored first token is the bonus
         token, and the `draft_len` tokens after it."""
+        rows = self.neighbour_rows(context, draft_len)
+        return unpadded(rows) if isinstance(rows, np.ndarray) else rows
+
+    def neighbour_rows(self, context: DraftContext, draft_len: int
+                       ) -> np.ndarray | list[list[int]]:
+        """`neighbour_drafts`, as the C kernel gives them where it reads the store (rows of
+        token ids + 1 followed by zeros, int32 [kept, draft_len]), else as lists."""
         state = context.hidden_state.detach().to("cpu").float().numpy()
         bonus = int(context.token_ids[-1])
         if self.learned is not None and self.learned.index is not None:
             return self._learned_neighbours(state, bonus, draft_len)
-        ids = self.store.search(state, self.k)
+        store = self.store
+        ids = store.search(state, self.k)
+        if drafting.takes_store(store.offsets, store.stream, store.doc_starts):
+            return drafting.dense_drafts(ids, store.offsets, store.stream, store.doc_starts,
+                                         store.value_len, bonus, draft_len)
         if len(ids) == 0:
             return []
-        start, end = self.store.value_bounds(ids)
-        stream = self.store.stream
+        start, end = store.value_bounds(ids)
+        stream = store.stream
         firsts = stream[start].astype(np.int64)
         kept = zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True)
-        return [stream[begin : min(stop, begin + draft_len)] for begin, stop in kept]
+        return [stream[begin : min(stop, begin + draft_len)].tolist() for begin, stop in kept]
 
     def propose(self, context: DraftContext) -> list[Draft]:
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
-        every = self.neighbour_drafts(context, draft_len)
+        rows = self.neighbour_rows(context, draft_len)
         if self.max_tree_nodes is not None:
-            return prefix_tree_drafts(every, self.max_tree_nodes)
-        return distinct_drafts(every, self.num_drafts)
+            if isinstance(rows, np.ndarray):  # ranked in C from the rows as they are
+                return padded_prefix_tree(rows, self.max_tree_nodes)
+            return prefix_tree_drafts(rows, self.max_tree_nodes)
+        return distinct_drafts(unpadded(rows) if isinstance(rows, np.ndarray) else rows,
+                               self.num_drafts)
 
     def candidates(self, context: DraftContext) -> list[Candidate]:
         """Every kept neighbour's draft, with the number of neighbours that propose it; drafts
@@ -196,7 +216,7 @@ class DenseDrafter(DenseOptions, Drafter):
                 for draft, count in agreeing_prefixes(neighbours).items()]
 
     def _learned_neighbours(self, state: np.ndarray, bonus: int, draft_len: int
-                            ) -> list[np.ndarray]:
+                            ) -> list[list[int]]:
         """Drafts of the k nearest entries of the datastore and the learned store together
         (merged by score, the datastore's first on ties) that predicted the bonus token."""
         key = self.store.transform.apply(state)
@@ -216,7 +236,7 @@ class DenseDrafter(DenseOptions, Drafter):
             else:
                 value = self.learned.value(entry, draft_len + 1)
             if len(value) and int(value[0]) == bonus:
-                values.append(np.asarray(value[1 : 1 + draft_len]))
+                values.append(np.asarray(value[1 : 1 + draft_len]).tolist())
         return values
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dresd.kernels import drafting
+
 
 def prefix_tree_drafts(continuations: Sequence[Sequence[int]], max_nodes: int) -> list[list[int]]:
     """The leaves of the trie of the `max_nodes` most frequent prefixes, for token-id lists.
@@ -23,19 +25,32 @@ def prefix_tree_drafts(continuations: Sequence[Sequence[int]], max_nodes: int) -
     rows = [list(c) for c in continuations if len(c) > 0]
     if not rows:
         return []
-    # Shift ids by one so that 0 marks a row's end, then sort the rows lexicographically.
+    # Shift ids by one so that 0 marks a row's end.
     padded = np.zeros((len(rows), max(map(len, rows))), dtype=np.int64)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = np.asarray(row, dtype=np.int64) + 1
-    padded = padded[np.lexsort(padded.T[::-1])]
-    return [(leaf - 1).tolist() for leaf in most_frequent_prefixes(padded, max_nodes)]
+    return padded_prefix_tree(padded, max_nodes)
+
+
+def padded_prefix_tree(padded: np.ndarray, max_nodes: int) -> list[list[int]]:
+    """`prefix_tree_drafts` of rows of token ids + 1 followed by zeros (rows of zeros: empty
+    continuations, ignored), in any order: in C where it is compiled (it sorts and ranks in one
+    call), else sorted here and ranked by `most_frequent_prefixes`."""
+    if len(padded) == 0:
+        return []
+    if drafting.kernel() is not None:
+        leaves = drafting.frequent_prefixes(padded, max_nodes)
+    else:
+        leaves = most_frequent_prefixes(padded[np.lexsort(padded.T[::-1])], max_nodes)
+    return [(leaf - 1).tolist() for leaf in leaves]
 
 
 def most_frequent_prefixes(continuations: np.ndarray, max_nodes: int) -> list[np.ndarray]:
     """The leaves of the trie of the `max_nodes` most frequent prefixes of `continuations`.
 
     `continuations`: int [m, L], rows sorted lexicographically, each row's tokens positive and
-    followed by zeros (row i has length len_i = number of non-zero entries, at least 1).
+    followed by zeros (row i has length len_i = number of non-zero entries; a row of zeros, an
+    empty continuation, makes no node).
     Prefixes are ranked by (count descending, length ascending, tokens ascending); see the module
     docstring. Returns the kept prefixes that no kept prefix extends, in rank order.
 

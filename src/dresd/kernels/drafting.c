@@ -415,3 +415,235 @@ void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitte
         }
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * The most frequent prefixes of many continuations (drafters/prefixes.py) and REST's lookup in
+ * a suffix array (drafters/rest.py, datastore/sparse.py), in one call each.
+ * ------------------------------------------------------------------------------------------- */
+
+static __thread int64_t row_width;  /* qsort's key: rows of row_width int32, compared in order */
+
+static int by_row(const void *a, const void *b) {
+    const int32_t *x = a, *y = b;
+    for (int64_t i = 0; i < row_width; i++)
+        if (x[i] != y[i]) return x[i] < y[i] ? -1 : 1;
+    return 0;
+}
+
+typedef struct { int32_t depth, row, count; } PrefixNode;
+
+/* Rank: count descending, then the order nodes are listed in (depth, then first row). */
+static int by_count(const void *a, const void *b) {
+    const PrefixNode *x = a, *y = b;
+    if (x->count != y->count) return x->count > y->count ? -1 : 1;
+    if (x->depth != y->depth) return x->depth < y->depth ? -1 : 1;
+    return (x->row > y->row) - (x->row < y->row);
+}
+
+/* `most_frequent_prefixes`: rows [m, width] of positive symbols, each followed by zeros (at
+ * least one symbol), sorted here unless `sorted`. The prefixes ranked first by (count
+ * descending, length ascending, symbols ascending), `max_nodes` of them, form a trie; its
+ * leaves, in rank order, are written as (row, depth) pairs: the leaf is rows[row][:depth] of
+ * the sorted rows (sorted in place). Returns the leaf count, -1 when out of memory. */
+int dresd_frequent_prefixes(int32_t *rows, int64_t m, int64_t width, int sorted, int max_nodes,
+                            int32_t *leaf_rows, int32_t *leaf_depths) {
+    if (m <= 0 || width <= 0 || max_nodes <= 0) return 0;
+    if (!sorted) {
+        row_width = width;
+        qsort(rows, m, sizeof(int32_t) * width, by_row);
+    }
+    /* lcp[i]: the common prefix length of rows i-1 and i (padding included, as numpy's) */
+    int32_t *lcp = malloc(sizeof(int32_t) * m);
+    PrefixNode *nodes = malloc(sizeof(PrefixNode) * m * width);
+    if (!lcp || !nodes) { free(lcp); free(nodes); return -1; }
+    lcp[0] = 0;
+    for (int64_t i = 1; i < m; i++) {
+        int64_t l = 0;
+        while (l < width && rows[i * width + l] == rows[(i - 1) * width + l]) l++;
+        lcp[i] = (int32_t)l;
+    }
+    /* Depth d's nodes are the runs of rows between places where lcp < d; a run whose first row
+     * ends before d is no node. */
+    int64_t count = 0;
+    for (int64_t d = 1; d <= width; d++) {
+        for (int64_t i = 0; i < m;) {
+            int64_t j = i + 1;
+            while (j < m && lcp[j] >= d) j++;
+            if (rows[i * width + d - 1] != 0)
+                nodes[count++] = (PrefixNode){(int32_t)d, (int32_t)i, (int32_t)(j - i)};
+            i = j;
+        }
+    }
+    qsort(nodes, count, sizeof(PrefixNode), by_count);
+    int64_t kept = count < max_nodes ? count : max_nodes;
+    /* A kept node is a leaf when no kept node one deeper starts inside its run. */
+    int leaves = 0;
+    for (int64_t a = 0; a < kept; a++) {
+        int has_child = 0;
+        for (int64_t b = 0; b < kept && !has_child; b++)
+            has_child = nodes[b].depth == nodes[a].depth + 1 && nodes[b].row >= nodes[a].row &&
+                        nodes[b].row < nodes[a].row + nodes[a].count;
+        if (!has_child) {
+            leaf_rows[leaves] = nodes[a].row;
+            leaf_depths[leaves] = nodes[a].depth;
+            leaves++;
+        }
+    }
+    free(lcp);
+    free(nodes);
+    return leaves;
+}
+
+/* A suffix of the text (big-endian symbols of `width` bytes, so bytes compare as symbols)
+ * against a pattern: < 0, 0 when the suffix starts with the pattern, > 0. */
+static int compare_suffix(const uint8_t *text, int64_t bytes, int64_t offset,
+                          const uint8_t *pattern, int64_t length) {
+    int64_t available = bytes - offset, n = length < available ? length : available;
+    int c = memcmp(text + offset, pattern, n);
+    if (c != 0) return c;
+    return n < length ? -1 : 0;
+}
+
+typedef struct {
+    const uint8_t *text;
+    int64_t bytes, rows;
+    int width;
+    const void *suffix_array;
+    int wide;  /* suffix array of int64 (else int32) byte offsets */
+} SuffixArray;
+
+static int64_t sa_offset(const SuffixArray *s, int64_t row) {
+    return s->wide ? ((const int64_t *)s->suffix_array)[row]
+                   : ((const int32_t *)s->suffix_array)[row];
+}
+
+/* Rows [*lo, *hi) of the suffixes that start with the pattern. */
+static void sa_range(const SuffixArray *s, const uint8_t *pattern, int64_t length, int64_t *lo,
+                     int64_t *hi) {
+    int64_t a = 0, b = s->rows;
+    while (a < b) {  /* the first row not below the pattern */
+        int64_t mid = a + (b - a) / 2;
+        if (compare_suffix(s->text, s->bytes, sa_offset(s, mid), pattern, length) < 0) a = mid + 1;
+        else b = mid;
+    }
+    *lo = a;
+    b = s->rows;
+    while (a < b) {  /* the first row above it */
+        int64_t mid = a + (b - a) / 2;
+        if (compare_suffix(s->text, s->bytes, sa_offset(s, mid), pattern, length) <= 0) a = mid + 1;
+        else b = mid;
+    }
+    *hi = a;
+}
+
+/* `SparseIndex.match_rows`: the rows of the occurrences of symbols[0..n) followed by a token of
+ * their document (those followed by the separator 0 come first in suffix order). */
+static void match_rows(const SuffixArray *s, const int64_t *symbols, int64_t n, uint8_t *pattern,
+                       int64_t *lo, int64_t *hi) {
+    for (int64_t i = 0; i <= n; i++) {
+        uint64_t symbol = i < n ? (uint64_t)symbols[i] : 0;
+        for (int b = 0; b < s->width; b++)
+            pattern[i * s->width + b] = (uint8_t)(symbol >> (8 * (s->width - 1 - b)));
+    }
+    int64_t first, last, end_first, end_last;
+    sa_range(s, pattern, n * s->width, &first, &last);
+    if (last == first) { *lo = *hi = 0; return; }
+    sa_range(s, pattern, (n + 1) * s->width, &end_first, &end_last);
+    *lo = first + (end_last - end_first);
+    *hi = last;
+}
+
+/* REST's steps 1-5 (drafters/rest.py) over one suffix array: the longest n in
+ * [min_suffix, usable] whose last n symbols of `tail` match (binary search: a match of n holds
+ * one of n - 1), the continuations of its first max_matches matches, and the leaves of the
+ * trie of their max_nodes most frequent prefixes, written as symbols (leaf i: leaf_symbols[i *
+ * draft_len ..], leaf_lengths[i] of them). `tail`: the context's last symbols, none unknown
+ * (the caller cuts at the last unknown one). Returns the leaf count, -1 when out of memory;
+ * *match_len = n (0: no match). */
+int dresd_rest_draft(const uint8_t *text, int64_t bytes, int width, const void *suffix_array,
+                     int wide, int64_t rows, const int64_t *tail, int64_t tail_len,
+                     int min_suffix, int max_matches, int draft_len, int max_nodes,
+                     int32_t *leaf_symbols, int32_t *leaf_lengths, int32_t *match_len) {
+    SuffixArray s = {text, bytes, rows, width, suffix_array, wide};
+    *match_len = 0;
+    uint8_t *pattern = malloc((tail_len + 1) * width + 1);
+    if (!pattern) return -1;
+    int64_t lo_n = min_suffix, hi_n = tail_len, best = 0, best_lo = 0, best_hi = 0;
+    while (lo_n <= hi_n) {  /* invariant: every n < lo_n matches, none > hi_n does */
+        int64_t n = (lo_n + hi_n) / 2, lo, hi;
+        match_rows(&s, tail + tail_len - n, n, pattern, &lo, &hi);
+        if (hi > lo) { best = n; best_lo = lo; best_hi = hi; lo_n = n + 1; }
+        else hi_n = n - 1;
+    }
+    free(pattern);
+    if (best == 0) return 0;
+    *match_len = (int32_t)best;
+    int64_t m = best_hi - best_lo < max_matches ? best_hi - best_lo : max_matches;
+    int32_t *continuations = malloc(sizeof(int32_t) * m * draft_len);
+    if (!continuations) return -1;
+    int64_t symbols = bytes / width;
+    for (int64_t r = 0; r < m; r++) {  /* the symbols after the match, zeros from its end on */
+        int64_t start = sa_offset(&s, best_lo + r) / width + best, ended = 0;
+        for (int j = 0; j < draft_len; j++) {
+            int64_t position = start + j;
+            uint32_t symbol = 0;
+            if (!ended && position < symbols)
+                for (int b = 0; b < width; b++) symbol = symbol << 8 | text[position * width + b];
+            if (symbol == 0) ended = 1;
+            continuations[r * draft_len + j] = (int32_t)symbol;
+        }
+    }
+    int32_t *leaf_rows = malloc(sizeof(int32_t) * max_nodes * 2);
+    if (!leaf_rows) { free(continuations); return -1; }
+    /* Suffix order sorts the continuations already (0, the separator, is the least symbol). */
+    int leaves = dresd_frequent_prefixes(continuations, m, draft_len, 1, max_nodes, leaf_rows,
+                                         leaf_rows + max_nodes);
+    for (int i = 0; i < leaves; i++) {
+        leaf_lengths[i] = leaf_rows[max_nodes + i];
+        memcpy(leaf_symbols + (int64_t)i * draft_len, continuations + (int64_t)leaf_rows[i] * draft_len,
+               sizeof(int32_t) * leaf_lengths[i]);
+    }
+    free(leaf_rows);
+    free(continuations);
+    return leaves;
+}
+
+/* DReSD's neighbours' drafts (drafters/dense.py `neighbour_drafts`): for each searched entry id,
+ * in rank order, its position p = offsets[id] in the stream and its value, the tokens
+ * stream[p + 1 .. min(p + 1 + value_len, the end of p's document)); an entry is kept when its
+ * value starts with the bonus token (its context predicted the same next token), and its draft
+ * is the value's next draft_len tokens at most. Writes each kept draft as a row of
+ * `draft_len` token ids + 1 followed by zeros (what `dresd_frequent_prefixes` takes); returns the
+ * rows written. offsets: uint32 (offset_width 4) or int64 (8); stream: uint16 (2) or uint32 (4).
+ */
+int dresd_dense_drafts(const int64_t *ids, int count, const void *offsets, int offset_width,
+                       const void *stream, int token_width, int64_t stream_len,
+                       const int64_t *doc_starts, int64_t documents, int value_len,
+                       int64_t bonus, int draft_len, int32_t *rows) {
+    int kept = 0;
+    for (int i = 0; i < count; i++) {
+        if (ids[i] < 0) continue;  /* FAISS pads a short result with -1 */
+        int64_t position = offset_width == 4 ? ((const uint32_t *)offsets)[ids[i]]
+                                             : ((const int64_t *)offsets)[ids[i]];
+        /* the document holding `position`: the last start <= position */
+        int64_t a = 0, b = documents;
+        while (b - a > 1) {
+            int64_t mid = (a + b) / 2;
+            if (doc_starts[mid] <= position) a = mid; else b = mid;
+        }
+        int64_t start = position + 1, end = start + value_len;
+        if (end > doc_starts[a + 1]) end = doc_starts[a + 1];
+        if (start >= stream_len) continue;
+        int64_t first = token_width == 2 ? ((const uint16_t *)stream)[start]
+                                         : ((const uint32_t *)stream)[start];
+        if (first != bonus) continue;
+        int32_t *row = rows + (int64_t)kept * draft_len;
+        int j = 0;
+        for (int64_t at = start + 1; at < end && j < draft_len; at++, j++)
+            row[j] = (int32_t)(token_width == 2 ? ((const uint16_t *)stream)[at]
+                                                : ((const uint32_t *)stream)[at]) + 1;
+        for (; j < draft_len; j++) row[j] = 0;
+        kept++;
+    }
+    return kept;
+}

@@ -1,5 +1,7 @@
 """Drafting in C (`kernels/drafting.c`): the suffix drafter's tree over the request's own tokens,
-and hybrid's candidate tree (merge, reach estimates, cut, learning).
+hybrid's candidate tree (merge, reach estimates, cut, learning), the most frequent prefixes of
+many continuations (REST, DReSD with a node budget), REST's whole lookup and DReSD's drafts
+from its searched neighbours.
 
 Why: drafting runs between two verify forwards, on the critical path, and the forward got fast
 (~8 ms a step for the default model on one core). The suffix drafter kept a per-request suffix
@@ -51,6 +53,14 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_hybrid_learn.argtypes = [pointer, i32, pointer, i32, pointer, pointer, pointer,
                                            i32]
     library.dresd_hybrid_learn.restype = None
+    library.dresd_frequent_prefixes.argtypes = [pointer, i64, i64, i32, i32, pointer, pointer]
+    library.dresd_frequent_prefixes.restype = i32
+    library.dresd_rest_draft.argtypes = [pointer, i64, i32, pointer, i32, i64, pointer, i64,
+                                         i32, i32, i32, i32, pointer, pointer, pointer]
+    library.dresd_rest_draft.restype = i32
+    library.dresd_dense_drafts.argtypes = [pointer, i32, pointer, i32, pointer, i32, i64,
+                                           pointer, i64, i32, i64, i32, pointer]
+    library.dresd_dense_drafts.restype = i32
     return library
 
 
@@ -158,3 +168,62 @@ class HybridTree:
                                     accepted.ctypes.data, tried.ctypes.data, lost.ctypes.data,
                                     num_sources)
         return lost[:num_sources].tolist()
+
+
+def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
+                      ) -> list[np.ndarray]:
+    """`prefixes.most_frequent_prefixes` in C: the leaves of the trie of the `max_nodes` most
+    frequent prefixes of `rows` (int [m, width], positive ids then zeros), in rank order.
+    `is_sorted`: the rows are in lexicographic order already."""
+    rows = np.array(rows, dtype=np.int32, order="C")  # a copy: the kernel sorts it in place
+    leaf_rows = np.empty(max_nodes, dtype=np.int32)
+    leaf_depths = np.empty(max_nodes, dtype=np.int32)
+    count = kernel().dresd_frequent_prefixes(rows.ctypes.data, rows.shape[0], rows.shape[1],
+                                             int(is_sorted), max_nodes, leaf_rows.ctypes.data,
+                                             leaf_depths.ctypes.data)
+    if count < 0:
+        raise MemoryError("the prefix-tree kernel ran out of memory")
+    return [rows[r, :d] for r, d in zip(leaf_rows[:count].tolist(),
+                                        leaf_depths[:count].tolist(), strict=True)]
+
+
+def rest_draft(symbols: np.ndarray, suffix_array: np.ndarray, tail: np.ndarray,
+               min_suffix: int, max_matches: int, draft_len: int, max_nodes: int
+               ) -> list[np.ndarray]:
+    """REST's lookup in one suffix array (`RestDrafter.propose`, one store): the leaves of the
+    draft tree as symbol arrays, most frequent first. `symbols`: the index's big-endian stream;
+    `tail`: the context's last symbols after its last unknown token."""
+    tail = np.ascontiguousarray(tail, dtype=np.int64)
+    leaf_symbols = np.empty((max_nodes, draft_len), dtype=np.int32)
+    leaf_lengths = np.empty(max_nodes, dtype=np.int32)
+    match_len = ctypes.c_int32(0)
+    count = kernel().dresd_rest_draft(
+        symbols.ctypes.data, symbols.nbytes, symbols.dtype.itemsize, suffix_array.ctypes.data,
+        int(suffix_array.dtype == np.int64), len(suffix_array), tail.ctypes.data, len(tail),
+        min_suffix, max_matches, draft_len, max_nodes, leaf_symbols.ctypes.data,
+        leaf_lengths.ctypes.data, ctypes.byref(match_len))
+    if count < 0:
+        raise MemoryError("the REST kernel ran out of memory")
+    return [leaf_symbols[i, :n] for i, n in enumerate(leaf_lengths[:count].tolist())]
+
+
+def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
+                 doc_starts: np.ndarray, value_len: int, bonus: int, draft_len: int
+                 ) -> np.ndarray:
+    """`DenseDrafter.neighbour_drafts` after the search: the drafts of the entries `ids` (rank
+    order) whose value starts with `bonus`, as rows of token ids + 1 followed by zeros (int32
+    [kept, draft_len]). `offsets` uint32 or int64, `stream` uint16 or uint32."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    rows = np.empty((len(ids), draft_len), dtype=np.int32)
+    kept = kernel().dresd_dense_drafts(
+        ids.ctypes.data, len(ids), offsets.ctypes.data, offsets.dtype.itemsize,
+        stream.ctypes.data, stream.dtype.itemsize, len(stream), doc_starts.ctypes.data,
+        len(doc_starts) - 1, value_len, bonus, draft_len, rows.ctypes.data)
+    return rows[:kept]
+
+
+def takes_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray) -> bool:
+    """Whether `dense_drafts` reads a store of these arrays (its dtypes, C-contiguous)."""
+    return (kernel() is not None and offsets.dtype in (np.uint32, np.int64)
+            and stream.dtype in (np.uint16, np.uint32) and doc_starts.dtype == np.int64
+            and all(a.flags.c_contiguous for a in (offsets, stream, doc_starts)))
