@@ -416,3 +416,33 @@ def test_the_kernels_tree_drafts_and_learns_as_the_python_tree(seed, monkeypatch
     assert c.counts == python.counts and sum(t for _, t in c.counts.values()) > 1000
     assert vars(drafters[0].ledger) == vars(drafters[1].ledger)
     assert compared > 500
+
+
+def test_under_load_a_source_pays_by_its_share_of_the_batch():
+    """A source that pays alone (a third of the tokens for a tenth of the time) does not beside
+    15 other sequences: its seconds hold up the batch's step, and its tokens are one
+    sequence's. It is then left out, and probed B times more rarely."""
+    alone, batched = SourceLedger(warmup=4), SourceLedger(warmup=4)
+    for _ in range(50):
+        alone.record({"slow": 0.001}, Counter(slow=1), 3, 0.010)
+        # 16 sequences: 48 tokens in a step of 0.010 + 16 x 0.001 s of drafting
+        batched.record({"slow": 0.001}, Counter(slow=1), 48, 0.026)
+    assert alone.to_skip(1) is None
+    assert batched.to_skip(1, batch_size=16) == "slow"
+    assert batched.to_skip(alone.explore_every, batch_size=16) == "slow"  # no probe yet
+    assert batched.to_skip(alone.explore_every * 16, batch_size=16) is None  # a probe
+
+
+def test_hybrid_takes_the_batch_from_the_context():
+    """The batch's previous step (tokens, seconds) reaches the ledger as E and T."""
+    drafter = HybridDrafter(cost={1: 1.0, 64: 1.0}, step_seconds=0.01)
+    records = []
+    drafter.ledger.record = lambda *args: records.append(args)
+    prompt = list(range(20, 40))
+    batch = dict(batch_size=16, batch_tokens=40, batch_seconds=0.03)
+    drafter.propose(DraftContext(np.array(prompt + [1, 2, 3, 1, 2]), torch.zeros(4), 20, **batch))
+    drafter.propose(DraftContext(np.array(prompt + [1, 2, 3, 1, 2, 3, 9]), torch.zeros(4), 20,
+                                 **batch))
+    drafter.propose(DraftContext(np.array(prompt + [1, 2, 3, 1, 2, 3, 9, 4]), torch.zeros(4), 20,
+                                 **batch))
+    assert [(tokens, seconds) for _, _, tokens, seconds in records] == [(40, 0.03)]

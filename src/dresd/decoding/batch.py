@@ -153,6 +153,9 @@ class BatchEngine:
         self.running: list[Running] = []
         self.steps = 0  # forwards run so far
         self.last_step = (0, 0)  # (sequences, rows) of the last forward
+        # (tokens emitted, seconds) of the last step, drafting included: what one sequence's
+        # drafting time is weighed against under load (`DraftContext.batch_seconds`)
+        self.last_step_output = (0, 0.0)
         self.cost = cost
         self.estimates = AcceptanceEstimates()  # learned from every tree verified here
         self.ledger = DraftingLedger()  # what drafting gains and costs, per method
@@ -193,6 +196,7 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> list[Running]:
         """One forward for every running sequence; returns the sequences that finished."""
+        step_started = clock(self.device)
         while self.waiting and len(self.running) < self.max_batch_size:
             state = self.waiting.popleft()
             state.cache = self.forward.new_sequence()
@@ -238,7 +242,7 @@ class BatchEngine:
             self.ledger.record_forward(clock(self.device) - forward_started,
                                        self.cost(self.last_step[1]))
 
-        finished = failed
+        finished, emitted_tokens = failed, 0
         for state, segment, output in zip(members, segments, outputs, strict=True):
             if state.prefilling:
                 state.prefilled += len(segment)
@@ -254,8 +258,10 @@ class BatchEngine:
             else:
                 emitted = self._accept(state, segment, output, forward_started)
             # 5. Emit, stop where plain decoding stops.
+            emitted_tokens += len(emitted)
             if self._emit(state, emitted):
                 finished.append(state)
+        self.last_step_output = (emitted_tokens, clock(self.device) - step_started)
         for state in finished:
             self._finish(state)
         return finished
@@ -331,7 +337,8 @@ class BatchEngine:
                 request.drafter.name, len(result.steps), decoding, self.cost))
         drafts = []
         if state.drafted:
-            context = DraftContext(state.context[: state.n], state.query, max_draft_len)
+            context = DraftContext(state.context[: state.n], state.query, max_draft_len,
+                                   decoding, *self.last_step_output)
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
         if not self.tree_attention:
             drafts = drafts[:1]  # a causal mask can only verify one linear draft

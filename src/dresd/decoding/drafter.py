@@ -44,6 +44,13 @@ class DraftContext:
     # on the model's device (a drafter whose index lives in host memory moves it there)
     hidden_state: torch.Tensor
     max_draft_len: int  # drafts are cut to this many tokens (fewer remain to be generated)
+    # The step it drafts for: how many sequences decode in it (each one's drafting holds up
+    # all of them), and the batch's previous step, its tokens and its seconds (drafting and the
+    # forward; 0.0 where there was none): what a drafter that prices its own time weighs it
+    # against under load (`hybrid`'s source ledger).
+    batch_size: int = 1
+    batch_tokens: int = 0
+    batch_seconds: float = 0.0
 
 
 class Candidate(NamedTuple):

@@ -35,9 +35,10 @@ machine's verify-cost curve. At every step this drafter:
 
 5. Consults only the sources that pay for their time (`SourceLedger`): a source whose share of
    the accepted tokens (those lost without it) falls below its share of the step's time is
-   left out, one source at a time, and every few steps all are consulted again. This needs a
-   one-token step's seconds (the calibration measures them); where they are unknown every
-   source is consulted at every step.
+   left out, one source at a time, and every few steps all are consulted again. Under load the
+   shares are of the batch's tokens and time, since one sequence's drafting holds up all of
+   them. This needs a one-token step's seconds (the calibration measures them); where they
+   are unknown every source is consulted at every step.
 
 Learning from finished outputs (`learn`): by default SuffixDecoding's global trie keeps them, as
 `--method suffix` does; with `learn=True` (`--learn`) REST and DReSD also keep them in their
@@ -349,12 +350,18 @@ class SourceLedger:
 
         u / E >= c / T        (S's share of the tokens >= S's share of the time)
 
+    Under load, B sequences share a step and each one's drafting holds up all of them: E and T
+    are then the whole batch's tokens and seconds (its previous step's, drafting included), so
+    a source pays for one sequence only by a share of the batch's tokens as large as its share
+    of the batch's time, B times harder than alone.
+
     u and c are averaged over the steps S was consulted, E and T over every step, each an
     exponential moving average (weight `decay` on the past). The source that loses most by this
     rule, the largest c / T - u / E > 0, is left out, with two guards: one source at a time
     (two sources that find the same tokens each look redundant, and leaving both out would
-    lose what either finds), and every `explore_every`-th step consults them all, so that a
-    source whose content starts to pay comes back.
+    lose what either finds), and every `explore_every`-th step (every `explore_every * B`-th
+    under load, where a probe holds up B sequences) consults them all, so that a source whose
+    content starts to pay comes back.
     """
 
     decay: float = 0.95
@@ -379,9 +386,11 @@ class SourceLedger:
         self.emitted = self.average(self.emitted, emitted)
         self.step_seconds = self.average(self.step_seconds, step_seconds)
 
-    def to_skip(self, step: int) -> str | None:
-        """The source to leave out of step number `step`, if one does not pay."""
-        if step % self.explore_every == 0 or not self.emitted or not self.step_seconds:
+    def to_skip(self, step: int, batch_size: int = 1) -> str | None:
+        """The source to leave out of step number `step` (of a sequence decoding beside
+        `batch_size` - 1 others), if one does not pay."""
+        explore = step % (self.explore_every * max(batch_size, 1)) == 0
+        if explore or not self.emitted or not self.step_seconds:
             return None
         excess = {name: c / self.step_seconds - self.lost[name] / self.emitted
                   for name, c in self.seconds.items() if self.consulted[name] >= self.warmup}
@@ -398,6 +407,9 @@ class LastStep:
     tail: np.ndarray  # the context's last 16 tokens, to tell a new generation apart
     source_seconds: dict[str, float]  # source -> seconds it took (the sources consulted)
     first: bool  # the first step of a generation
+    # the batch it drafted in: (sequences, the previous step's tokens and seconds), as the
+    # context gave them (`DraftContext.batch_size`)
+    batch: tuple[int, int, float] = (1, 0, 0.0)
     verified: int = 0  # draft tokens kept for verification
     seconds: float = 0.0  # the whole call's seconds
 
@@ -507,7 +519,8 @@ class HybridDrafter(HybridOptions, Drafter):
         started = self.clock()
         continued = self._learn(context.token_ids)
         self.steps += 1
-        skip = self.ledger.to_skip(self.steps) if self.skip_sources and self.step_seconds else None
+        skip = (self.ledger.to_skip(self.steps, context.batch_size)
+                if self.skip_sources and self.step_seconds else None)
         gathered, source_seconds = [], {}
         draft_len = min(self.draft_len, context.max_draft_len)
         for name, source in self.sources.items() if draft_len >= 1 else []:
@@ -519,7 +532,9 @@ class HybridDrafter(HybridOptions, Drafter):
         tree = self._merge(gathered, draft_len)
         length = len(context.token_ids)
         step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
-                                    source_seconds, first=not continued)
+                                    source_seconds, first=not continued,
+                                    batch=(context.batch_size, context.batch_tokens,
+                                           context.batch_seconds))
         drafts, step.verified = self._cut(tree) if tree_size(tree) > 1 else ([], 0)
         step.seconds = self.clock() - started
         return drafts
@@ -571,7 +586,10 @@ class HybridDrafter(HybridOptions, Drafter):
         # A generation's first call also reads its prompt (suffix builds the prompt's tree):
         # a cost per generation, not per step, which leaving a source out would not save.
         if self.step_seconds and not step.first:
-            verify = self.costs[step.verified + 1] if len(self.costs) > step.verified + 1 else 1.0
-            self.ledger.record(step.source_seconds, lost, len(emitted),
-                               step.seconds + verify * self.step_seconds)
+            batch_size, tokens, seconds = step.batch
+            if batch_size <= 1 or not tokens or not seconds:  # alone: this step's own figures
+                verify = (self.costs[step.verified + 1] if len(self.costs) > step.verified + 1
+                          else 1.0)
+                tokens, seconds = len(emitted), step.seconds + verify * self.step_seconds
+            self.ledger.record(step.source_seconds, lost, tokens, seconds)
         return True
