@@ -27,6 +27,8 @@ itself, the server with it.
 `llama-server`, started and stopped by the caller: `benchmarks/peers/servers.sh`): no `method`
 field is sent, phase 1 is skipped, and /metrics is read only where it answers in dresd's names.
 `--temperature` and `--extra-body` add fields to every request (by default none are sent).
+`--prompt-set gsm8k` sends the first 16 short GSM8K test questions (the shared data folder)
+instead of the questions written here.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import openai
 
+from dresd.datasets import data_dir
 from dresd.host import cpu_model
 from dresd.serve.local import LocalServer
 
@@ -67,6 +70,14 @@ PROMPTS = [
     "Name three planets in the solar system.",
     "Describe a cat in one sentence.",
 ]
+
+
+def gsm8k_prompts(count: int) -> list[str]:
+    """The first `count` GSM8K test questions under 160 characters: real user questions, short
+    enough that the answer, not the prompt, is most of each request's work."""
+    rows = (json.loads(line) for line in
+            (data_dir() / "gsm8k" / "test.jsonl").read_text().splitlines() if line.strip())
+    return [row["question"] for row in rows if len(row["question"]) < 160][:count]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -232,7 +243,11 @@ def main() -> int:
                         help="sent in every request (default: none sent, the server's own)")
     parser.add_argument("--extra-body", default="{}",
                         help="JSON object of more fields for every request")
+    parser.add_argument("--prompt-set", choices=("builtin", "gsm8k"), default="builtin",
+                        help="builtin: the 16 questions written here; gsm8k: 16 short GSM8K "
+                             "test questions")
     args = parser.parse_args()
+    prompts = PROMPTS if args.prompt_set == "builtin" else gsm8k_prompts(len(PROMPTS))
     if args.render:
         report = json.loads(args.out.with_suffix(".json").read_text())
         args.out.with_suffix(".md").write_text(markdown(report))
@@ -255,14 +270,14 @@ def main() -> int:
         if not args.url:
             started = time.perf_counter()
             sequential_ar = [stream_one(client, model, p, args.max_tokens,
-                                        {**extra, "method": "ar"}) for p in PROMPTS]
+                                        {**extra, "method": "ar"}) for p in prompts]
             sequential_ar_wall = time.perf_counter() - started
         started = time.perf_counter()
-        sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in PROMPTS]
+        sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in prompts]
         sequential_wall = time.perf_counter() - started
         reference = {r["prompt"]: r["text"] for r in sequential}
 
-        work = PROMPTS * args.rounds
+        work = prompts * args.rounds
         started = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
             concurrent = list(pool.map(
@@ -279,7 +294,8 @@ def main() -> int:
         "model": model, "method": args.method if not args.url else "(the server's own)",
         "threads": args.threads,
         "dtype": chosen.group(1) if chosen else args.dtype,
-        "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
+        "clients": args.clients, "max_tokens": args.max_tokens, "prompts": len(prompts),
+        "prompt_set": args.prompt_set,
         "rounds": args.rounds,
         "server": args.server_name or ("dresd serve" if not args.url else args.url),
         "request_fields": extra,
@@ -291,7 +307,7 @@ def main() -> int:
         "server_metrics": figures,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
     }
-    report["sequential_outputs"] = [r["text"] for r in sequential]  # in PROMPTS order
+    report["sequential_outputs"] = [r["text"] for r in sequential]  # in prompts' order
     if sequential_ar is not None:
         report["sequential_ar"] = summarize_phase(sequential_ar, sequential_ar_wall)
         report["sequential_ar_outputs"] = [r["text"] for r in sequential_ar]

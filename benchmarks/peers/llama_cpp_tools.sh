@@ -21,7 +21,18 @@ build_llama_tool() {
   echo "building $target in $build (log: $PEERS/$target-build.log)"
   cmake -S "$SRC" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF "$@" > "$PEERS/$target-cmake.log"
-  cmake --build "$build" -j 2 --target "$target" > "$PEERS/$target-build.log"
+  # nice: the machine's 2 cores are shared with whoever else is measuring on it
+  nice -n 10 cmake --build "$build" -j 2 --target "$target" > "$PEERS/$target-build.log"
+}
+
+# build_llama_server: llama-server, in the build folder the other tools share
+# ($PEERS/llama.cpp-build), so that only the server's own sources (and its mtmd and httplib
+# dependencies) compile, not ggml and libllama again (~15 min on 2 cores for a fresh folder).
+# The reconfigure only adds targets: llama-bench and the others built there are left as they are.
+LLAMA_SERVER=$PEERS/llama.cpp-build/bin/llama-server
+build_llama_server() {
+  build_llama_tool "$PEERS/llama.cpp-build" llama-server -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON
 }
 
 # convert_gguf: the default model (dresd's cached folder) as a bf16 GGUF, by llama.cpp's own

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # llama.cpp's server beside `dresd serve`, under 1 and 16 concurrent streaming clients.
 #
-# Builds llama.cpp's `llama-server` once, outside the repository ($PEERS, default
-# ~/.cache/dresd/peers/llama.cpp-server-build: its own build folder, so that the one
-# llama_cpp.sh builds `llama-bench` in is never reconfigured under a running benchmark), from
-# the same vendored sources as benchmarks/peers/llama_cpp.sh (PyPI's llama-cpp-python 0.3.36
-# source archive), and converts the default model to the same bf16 GGUF where that script has
-# not. Then, REPEATS times, each server in turn on 127.0.0.1 at THREADS threads:
+# Builds llama.cpp's `llama-server` once, outside the repository (llama_cpp_tools.sh's
+# build_llama_server: in $PEERS/llama.cpp-build beside llama-bench, from the same vendored
+# sources as benchmarks/peers/llama_cpp.sh, PyPI's llama-cpp-python 0.3.36 source archive), and
+# converts the default model to the same bf16 GGUF where that script has not. Then, REPEATS
+# times, each server in turn on 127.0.0.1 at THREADS threads:
 #   - `llama-server -np CLIENTS -t THREADS -tb THREADS` (the GGUF's own chat template, which
-#     is the default model's; `cache_prompt: false` in every request, as dresd keeps no prompt
-#     cache);
-#   - `dresd serve --method ar`, then `dresd serve --method hybrid` (with the demo store,
-#     runs/demo-gsm8k-store, where `make demo` built it), each a fresh process;
+#     is the default model's; its prompt cache as it comes, `cache_prompt` on, unless
+#     CACHE_PROMPT=off sends `cache_prompt: false`);
+#   - `dresd serve --method M` for each M of METHODS (default: ar, then hybrid with the demo
+#     store, runs/demo-gsm8k-store, where `make demo` built it), each a fresh process, its
+#     prefix cache on (its default) unless CACHE_PROMPT=off;
+# both on the same weights: WEIGHTS=bf16 (default) the bf16 GGUF for llama-server and the
+# default model in bf16 for dresd; WEIGHTS=q4_1 the default model's own Q4_1 file for both
+# (`dresd serve --model default-gguf` is that file, its quantized weights run by dresd's kernels);
 # each driven by benchmarks/serve_load.py --url: the 16 prompts one at a time (1 client), then
 # CLIENTS clients at once streaming ROUNDS x the prompts (aggregate tokens/s, TTFT, latency),
 # greedy (temperature 0), TOKENS new tokens at most. Every server this script starts is
@@ -25,23 +28,42 @@
 # cores while another process ran, one llama-server decode step took 2.2 s (0.46 tokens/s).
 #
 # Settings (environment): THREADS (2), CLIENTS (16), TOKENS (64), ROUNDS (2), REPEATS (2),
-# DATASTORE (runs/demo-gsm8k-store if present; `none`: without), SMOKE=1 (the table goes to
-# runs/peers/servers/smoke.md, labelled a smoke run).
-# Results: benchmarks/results/peers/servers.md and .jsonl; serve_load's reports and the
-# servers' logs in runs/peers/servers/. Not part of the tests.
+# WEIGHTS (bf16 | q4_1), METHODS ("ar hybrid"), PROMPT_SET (builtin: serve_load.py's own 16
+# questions | gsm8k: 16 short GSM8K test questions), CACHE_PROMPT (on | off), DATASTORE
+# (runs/demo-gsm8k-store if present; `none`: without), OUTPUT (the table's path without suffix,
+# default benchmarks/results/peers/servers), SMOKE=1 (the table goes to WORK/smoke.md, labelled
+# a smoke run).
+#   WEIGHTS=q4_1 METHODS=ar PROMPT_SET=gsm8k THREADS=1 REPEATS=3 \
+#     OUTPUT=benchmarks/results/peers/servers_q4_1_1thread bash benchmarks/peers/servers.sh
+# Results: OUTPUT.md and .jsonl; serve_load's reports and the servers' logs in
+# runs/peers/<OUTPUT's name>/. Not part of the tests.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/peers/llama_cpp_tools.sh
-BUILD=$PEERS/llama.cpp-server-build
 THREADS=${THREADS:-2}
 CLIENTS=${CLIENTS:-16}
 TOKENS=${TOKENS:-64}
 ROUNDS=${ROUNDS:-2}
 REPEATS=${REPEATS:-2}
-WORK=runs/peers/servers
-mkdir -p "$WORK" benchmarks/results/peers
-build_llama_tool "$BUILD" llama-server -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-convert_gguf
+WEIGHTS=${WEIGHTS:-bf16}
+METHODS=${METHODS:-ar hybrid}
+PROMPT_SET=${PROMPT_SET:-builtin}
+CACHE_PROMPT=${CACHE_PROMPT:-on}
+OUTPUT=${OUTPUT:-benchmarks/results/peers/servers}
+WORK=runs/peers/$(basename "$OUTPUT")
+mkdir -p "$WORK" "$(dirname "$OUTPUT")"
+build_llama_server
+case $WEIGHTS in
+  bf16) convert_gguf; LLAMA_MODEL=$GGUF; DRESD_MODEL=() ;;
+  q4_1) fetch_q4_1; LLAMA_MODEL=$Q4_1; DRESD_MODEL=(--model default-gguf) ;;
+  *) echo "WEIGHTS must be bf16 or q4_1" >&2; exit 2 ;;
+esac
+LLAMA_BODY='{}'
+DRESD_CACHE=()
+if [ "$CACHE_PROMPT" = off ]; then
+  LLAMA_BODY='{"cache_prompt": false}'
+  DRESD_CACHE=(--no-prefix-cache)
+fi
 
 SERVER_PID=
 LOAD_PID=
@@ -80,7 +102,7 @@ load() {
   shift 2
   PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py --url "$URL" --server-name "$name" \
     --clients "$CLIENTS" --rounds "$ROUNDS" --max-tokens "$TOKENS" --threads "$THREADS" \
-    --temperature 0 --out "$out" "$@" >> "$WORK/load.log" 2>&1 &
+    --temperature 0 --prompt-set "$PROMPT_SET" --out "$out" "$@" >> "$WORK/load.log" 2>&1 &
   LOAD_PID=$!
   local rc=0
   wait "$LOAD_PID" || rc=$?
@@ -95,24 +117,25 @@ rm -f "$WORK"/r*-*.json "$WORK"/r*-*.md
 for repeat in $(seq 1 "$REPEATS"); do
   port=$(free_port)
   URL=http://127.0.0.1:$port
-  echo "repeat $repeat of $REPEATS: llama-server"
-  "$BUILD/bin/llama-server" -m "$GGUF" -np "$CLIENTS" -t "$THREADS" -tb "$THREADS" \
+  echo "repeat $repeat of $REPEATS: llama-server ($(uptime))"
+  # -c: 1,024 tokens per slot (-np splits the context among the slots)
+  "$LLAMA_SERVER" -m "$LLAMA_MODEL" -np "$CLIENTS" -t "$THREADS" -tb "$THREADS" \
     -c $((CLIENTS * 1024)) --host 127.0.0.1 --port "$port" --no-webui \
     > "$WORK/llama-server.log" 2>&1 &
   SERVER_PID=$!
   wait_ready "$URL"
-  load llama-server "$WORK/r$repeat-llama-server" --dtype bf16 \
-    --extra-body '{"cache_prompt": false}'
+  load llama-server "$WORK/r$repeat-llama-server" --dtype "$WEIGHTS" --extra-body "$LLAMA_BODY"
   stop
-  for method in ar hybrid; do
+  for method in $METHODS; do
     port=$(free_port)
     URL=http://127.0.0.1:$port
-    echo "repeat $repeat of $REPEATS: dresd serve --method $method"
+    echo "repeat $repeat of $REPEATS: dresd serve --method $method ($(uptime))"
     store=()
     if [ "$method" = hybrid ]; then store=("${STORE_ARGS[@]}"); fi
-    .venv/bin/dresd serve --host 127.0.0.1 --port "$port" --method "$method" \
-      --threads "$THREADS" --max-batch-size "$CLIENTS" --max-queue $((CLIENTS * 4)) \
-      --log-level warning "${store[@]}" > "$WORK/dresd-$method.log" 2>&1 &
+    .venv/bin/dresd serve "${DRESD_MODEL[@]}" --host 127.0.0.1 --port "$port" \
+      --method "$method" --threads "$THREADS" --max-batch-size "$CLIENTS" \
+      --max-queue $((CLIENTS * 4)) --log-level warning "${DRESD_CACHE[@]}" "${store[@]}" \
+      > "$WORK/dresd-$method.log" 2>&1 &
     SERVER_PID=$!
     wait_ready "$URL"
     load "dresd serve --method $method" "$WORK/r$repeat-dresd-$method" --dtype auto
@@ -120,10 +143,13 @@ for repeat in $(seq 1 "$REPEATS"); do
   done
 done
 
-settings="THREADS=$THREADS CLIENTS=$CLIENTS TOKENS=$TOKENS ROUNDS=$ROUNDS REPEATS=$REPEATS"
+settings="WEIGHTS=$WEIGHTS METHODS='$METHODS' PROMPT_SET=$PROMPT_SET CACHE_PROMPT=$CACHE_PROMPT"
+settings+=" THREADS=$THREADS CLIENTS=$CLIENTS TOKENS=$TOKENS ROUNDS=$ROUNDS REPEATS=$REPEATS"
 settings+=", $(( $(date +%s) - started )) s"
-out=benchmarks/results/peers/servers
+out=$OUTPUT
 [ -n "${SMOKE:-}" ] && out=$WORK/smoke
 PYTHONPATH=src .venv/bin/python benchmarks/peers/servers_table.py --runs "$WORK" --out "$out" \
-  --datastore "$DATASTORE" --build "$BUILD" --command-line "$settings" ${SMOKE:+--smoke}
+  --datastore "$DATASTORE" --build "$(dirname "$(dirname "$LLAMA_SERVER")")" \
+  --weights "$WEIGHTS" --cache-prompt "$CACHE_PROMPT" --command-line "$settings" \
+  ${SMOKE:+--smoke}
 echo "table: $out.md"

