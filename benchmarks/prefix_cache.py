@@ -25,6 +25,15 @@ multi-turn workload, those of the second turns.
         --out benchmarks/results/prefix_cache
 
 Traffic goes to 127.0.0.1 only; the run is bounded (ROUNDS x 2 waves x 2 servers x CLIENTS).
+
+`--peer-command` adds another OpenAI-compatible server to the same waves, in turn with the two
+(e.g. llama.cpp's `llama-server` with `cache_prompt` on, its default: `bash
+benchmarks/peers/servers_prefix.sh`): the command, `{port}` in it replaced by a free port, is
+started here on 127.0.0.1 and restarted before each round after the first, since a server of
+another make may have no way to empty its caches (llama-server's slot erase needs
+`--slot-save-path` and leaves its RAM prompt cache). Its requests carry `--peer-body` (default
+`{"temperature": 0}`: greedy, as dresd is by default); its second turns follow its own answers;
+its outputs are compared with dresd's but need not equal them.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import json
 import os
 import platform
 import re
+import shlex
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -82,12 +93,13 @@ def mt_bench(count: int) -> list[list[str]]:
             ][:count]
 
 
-def stream_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> dict:
+def stream_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int,
+                extra: dict | None = None) -> dict:
     started = time.perf_counter()
     first, pieces, usage = None, [], None
     with client.chat.completions.with_streaming_response.create(
             model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}) as response:
+            stream_options={"include_usage": True}, extra_body=extra) as response:
         replica = response.headers.get("x-dresd-replica", "-")
         for chunk in response.parse():
             if chunk.usage is not None:
@@ -104,12 +116,13 @@ def stream_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int) ->
 
 
 def wave(client: openai.OpenAI, chats: list[list[dict]], max_tokens: int,
-         concurrency: int | None = None) -> dict:
+         concurrency: int | None = None, extra: dict | None = None) -> dict:
     """All chats at once, one client each (or `concurrency` at a time); their records and the
     wave's figures."""
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency or len(chats)) as pool:
-        records = list(pool.map(lambda chat: stream_chat(client, chat, max_tokens), chats))
+        records = list(pool.map(lambda chat: stream_chat(client, chat, max_tokens, extra),
+                                chats))
     wall = time.perf_counter() - started
     ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in records)
@@ -131,6 +144,43 @@ def reset(url: str) -> None:
         reply.read()
 
 
+class PeerServer(LocalServer):
+    """Another make of server (--peer-command), started and stopped as LocalServer does dresd
+    serve: `{port}` in the command is replaced by the port LocalServer picked."""
+
+    def __init__(self, command: str, startup_timeout: float = 300.0) -> None:
+        super().__init__([], startup_timeout)
+        self.command = command
+
+    def start(self) -> PeerServer:
+        argv = [part.replace("{port}", str(self.port)) for part in shlex.split(self.command)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+        return self
+
+
+def peer_lines(report: dict, present: list[str]) -> list[str]:
+    """The peer (--peer-command) against dresd with its cache, wave by wave: medians over
+    rounds of each round's ratio, as for cache on against off."""
+    peer = report.get("peer")
+    if not peer:
+        return []
+    lines = ["", f"`{peer['name']}`: `{peer['command']}`, requests with "
+             f"`{json.dumps(peer['body'])}`, restarted before each round after the first. Its "
+             f"outputs equal to dresd's (cache off): {peer['same_as_dresd'][0]} of "
+             f"{peer['same_as_dresd'][1]} (another runtime: not expected to be all).", ""]
+    for wave_name in present:
+        ours, theirs = (report["servers"][name][wave_name] for name in (NAMES[1], peer["name"]))
+        ttft = [b["ttft_p50_s"] / a["ttft_p50_s"] for a, b in zip(ours, theirs, strict=True)]
+        speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs, strict=True)]
+        lines.append(f"- {wave_name} wave, dresd cache on against {peer['name']}, the median "
+                     f"over rounds: TTFT p50 {median(ttft):.2f}x lower (rounds "
+                     f"{min(ttft):.2f}-{max(ttft):.2f}x), tokens/s {median(speed):.2f}x (rounds "
+                     f"{min(speed):.2f}-{max(speed):.2f}x)")
+    return lines
+
+
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Prefix cache under load ({meta['date']})", "",
@@ -146,7 +196,7 @@ def markdown(report: dict) -> str:
              "| server | wave | TTFT p50 (s) | TTFT p99 (s) | tokens/s | prompt tokens "
              "read from the cache |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     present = [w for w in WAVES if report["servers"][NAMES[0]][w]]
-    for name in NAMES:
+    for name in report["servers"]:  # cache off, cache on, then the peer where there is one
         for wave_name in present:
             runs = report["servers"][name][wave_name]
             lines.append(
@@ -165,6 +215,7 @@ def markdown(report: dict) -> str:
         lines.append(f"- {wave_name} wave, the median over rounds of each round's ratio: TTFT "
                      f"p50 {ttft:.1f}x lower with the cache (rounds {spread[0]:.1f}-"
                      f"{spread[-1]:.1f}x), tokens/s {speed:.2f}x")
+    lines += peer_lines(report, present)
     return "\n".join(lines) + "\n"
 
 
@@ -319,6 +370,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/prefix_cache, with --replicas "
                              "benchmarks/results/prefix_cache_replicas")
+    parser.add_argument("--peer-command", default=None,
+                        help="another server in the same waves, e.g. 'llama-server -m F.gguf "
+                             "--host 127.0.0.1 --port {port} -np 16 ...' ({port}: a free port)")
+    parser.add_argument("--peer-name", default="llama-server")
+    parser.add_argument("--peer-body", default='{"temperature": 0}',
+                        help="JSON fields of every request to the peer")
     args = parser.parse_args()
     args.out = args.out or Path("benchmarks/results/prefix_cache"
                                 + ("_replicas" if args.replicas else ""))
@@ -336,37 +393,50 @@ def main() -> int:
               "--max-batch-size", str(args.clients), "--max-new-tokens", str(args.max_tokens)]
     servers = {NAMES[0]: LocalServer([*common, "--no-prefix-cache"]),
                NAMES[1]: LocalServer(common)}
-    figures: dict[str, dict[str, list[dict]]] = {n: {w: [] for w in WAVES} for n in NAMES}
+    bodies: dict[str, dict | None] = {name: None for name in servers}
+    if args.peer_command:
+        servers[args.peer_name] = PeerServer(args.peer_command)
+        bodies[args.peer_name] = json.loads(args.peer_body)
+    names = list(servers)
+    figures: dict[str, dict[str, list[dict]]] = {n: {w: [] for w in WAVES} for n in names}
     try:
         clients = {}
         for name, server in servers.items():
             server.start().wait_ready()
             clients[name] = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
                                           max_retries=0, timeout=1800)
-            stream_chat(clients[name], [{"role": "user", "content": "Say hello."}], 4)
+            stream_chat(clients[name], [{"role": "user", "content": "Say hello."}], 4,
+                        bodies[name])
         for round_ in range(args.rounds):
             reset(servers[NAMES[1]].url)
-            order = NAMES if round_ % 2 == 0 else NAMES[::-1]
+            if args.peer_command and round_:  # its way to empty its caches: a fresh process
+                servers[args.peer_name].stop()
+                servers[args.peer_name].start().wait_ready()
+                stream_chat(clients[args.peer_name], [{"role": "user", "content": "Say hello."}],
+                            4, bodies[args.peer_name])
+            # who goes first rotates by round (with two servers: alternates)
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
             for wave_name, chats in waves.items():
                 for name in order:
-                    figures[name][wave_name].append(wave(clients[name], chats, args.max_tokens))
+                    figures[name][wave_name].append(wave(clients[name], chats, args.max_tokens,
+                                                         extra=bodies[name]))
                     report_wave(round_, wave_name, name, figures[name][wave_name][-1])
             for name in order:  # each server's second turns follow its own first answers
                 first = wave(clients[name], [[{"role": "user", "content": t[0]}] for t in turns],
-                             args.max_tokens, args.turn_concurrency)
+                             args.max_tokens, args.turn_concurrency, bodies[name])
                 figures[name]["first turn"] = [*figures[name].get("first turn", []), first]
                 second = [[{"role": "user", "content": t[0]},
                            {"role": "assistant", "content": record["text"]},
                            {"role": "user", "content": t[1]}]
                           for t, record in zip(turns, first["records"], strict=True)]
                 figures[name]["second turn"].append(wave(clients[name], second, args.max_tokens,
-                                                         args.turn_concurrency))
+                                                         args.turn_concurrency, bodies[name]))
                 report_wave(round_, "second turn", name, figures[name]["second turn"][-1])
     finally:
         for server in servers.values():
             server.stop()
     texts = {name: [r["text"] for w in (*WAVES, "first turn") for run in figures[name][w]
-                    for r in run["records"]] for name in NAMES}
+                    for r in run["records"]] for name in names}
     identical = texts[NAMES[0]] == texts[NAMES[1]]
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     report = {"meta": {"date": now,
@@ -377,6 +447,8 @@ def main() -> int:
                                   + (" --multi-turn-only" if args.multi_turn_only else "")
                                   + (f" --turn-concurrency {args.turn_concurrency}"
                                      if args.turn_concurrency else "")
+                                  + (f" --peer-command {shlex.quote(args.peer_command)}"
+                                     if args.peer_command else "")
                                   + f" --out {args.out}",
                        "cpu": cpu_model(), "machine": platform.machine(),
                        "cores": os.cpu_count(), "threads": args.threads, "dtype": args.dtype,
@@ -387,6 +459,13 @@ def main() -> int:
                                      f"{args.turn_concurrency or args.clients} at a time",
                        "load_average": [*load, os.getloadavg()[0]]},
               "servers": figures, "identical": identical, "compared": len(texts[NAMES[0]])}
+    if args.peer_command:
+        theirs = texts[args.peer_name]
+        report["peer"] = {"name": args.peer_name, "command": args.peer_command,
+                          "body": bodies[args.peer_name],
+                          "same_as_dresd": [sum(a == b for a, b in zip(theirs, texts[NAMES[0]],
+                                                                      strict=True)),
+                                            len(theirs)]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "prefix_cache.json").write_text(json.dumps(report, indent=1))
     (args.out / "README.md").write_text(markdown(report))
