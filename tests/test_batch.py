@@ -3,6 +3,8 @@ for token what it is alone, and a seeded sampled request draws the same tokens."
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,40 @@ def test_recorded_top2_are_each_tokens_two_best_logits(tiny, model_name):
         assert result.top2_logits is not None and len(result.top2_logits) == len(expected)
         torch.testing.assert_close(torch.tensor(result.top2_logits), expected,
                                    rtol=1e-5, atol=1e-5)
+
+
+class ThreadRecorder(PromptLookupDrafter):
+    """PLD that records which thread runs its deferred work, and when, against forwards."""
+
+    def __init__(self, engine_steps) -> None:
+        super().__init__()
+        object.__setattr__(self, "log", [])
+        object.__setattr__(self, "engine_steps", engine_steps)
+
+    def background(self) -> None:
+        self.log.append(("background", threading.current_thread().name, self.engine_steps()))
+
+    def observe(self, prompt, output, hidden_states=None) -> None:
+        self.log.append(("observe", threading.current_thread().name, self.engine_steps()))
+
+
+def test_drafters_deferred_work_runs_beside_the_next_forward(tiny):
+    """`background` after each drafted step and `observe` after a generation run on the
+    loop's worker thread during the next forward, or at the end of `run`; outputs unchanged."""
+    prompts = varied_prompts(2, seed=5)
+    engine = BatchEngine(tiny, max_batch_size=2)
+    drafter = ThreadRecorder(lambda: engine.steps)
+    states = [engine.add(Request(prompt=p, drafter=drafter, max_new_tokens=12 + 8 * i))
+              for i, p in enumerate(prompts)]
+    engine.run()
+    assert [s.result.token_ids for s in states] == [reference_greedy(tiny, p, 12 + 8 * i)
+                                                    for i, p in enumerate(prompts)]
+    backgrounds = [entry for entry in drafter.log if entry[0] == "background"]
+    observes = [entry for entry in drafter.log if entry[0] == "observe"]
+    assert len(backgrounds) >= sum(len(s.result.steps) for s in states) - len(states) > 0
+    assert all(name.startswith("dresd-drafting") for _, name, _ in backgrounds)
+    # The first generation's observe ran beside a later forward of the second one; the
+    # second's, the last, when `run` ended (on the caller's thread).
+    assert observes[0][1].startswith("dresd-drafting")
+    assert observes[1][1] == threading.current_thread().name
+    assert observes[1][2] == engine.steps

@@ -277,9 +277,9 @@ def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed()
     records = []
     drafter.ledger.record = lambda *args: records.append(args)
     prompt = np.arange(20, 40)
-    drafter.last = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002},
-                            first=False)
-    drafter._learn(np.concatenate([prompt, [5, 6, 7, 3]]))  # 3 accepted, then the bonus 3
+    step = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002},
+                    first=False)
+    drafter._learn(step, [5, 6, 7, 3])  # 3 accepted, then the bonus 3
     (seconds, lost, emitted, step_seconds), = records
     assert lost == Counter(pld=1) and emitted == 4 and step_seconds > 0.003
 
@@ -445,4 +445,6 @@ def test_hybrid_takes_the_batch_from_the_context():
                                  **batch))
     drafter.propose(DraftContext(np.array(prompt + [1, 2, 3, 1, 2, 3, 9, 4]), torch.zeros(4), 20,
                                  **batch))
+    assert records == []  # a step's outcome is learned a step later (`background`)
+    drafter.background()
     assert [(tokens, seconds) for _, _, tokens, seconds in records] == [(40, 0.03)]

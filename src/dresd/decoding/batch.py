@@ -32,8 +32,10 @@ row is the bits a fresh prefill of the same tokens writes, so hits change no out
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -156,6 +158,11 @@ class BatchEngine:
         # (tokens emitted, seconds) of the last step, drafting included: what one sequence's
         # drafting time is weighed against under load (`DraftContext.batch_seconds`)
         self.last_step_output = (0, 0.0)
+        # Drafter work that waits for the next forward and runs beside it (`Drafter.observe`
+        # of finished generations, `Drafter.background`), on one worker thread: the forward
+        # releases the GIL, so it takes a core the forward leaves free.
+        self.deferred: list[Callable[[], None]] = []
+        self.worker: ThreadPoolExecutor | None = None
         self.cost = cost
         self.estimates = AcceptanceEstimates()  # learned from every tree verified here
         self.ledger = DraftingLedger()  # what drafting gains and costs, per method
@@ -189,9 +196,29 @@ class BatchEngine:
         return bool(self.running or self.waiting)
 
     def run(self) -> None:
-        """Step until every request has finished."""
+        """Step until every request has finished, then do the drafters' deferred work."""
         while self.busy():
             self.step()
+        self._run_deferred(self.deferred)
+        self.deferred = []
+
+    @staticmethod
+    def _run_deferred(work: list[Callable[[], None]]) -> None:
+        for job in work:
+            job()
+
+    def _beside_forward(self, segments: list[Segment], work: list[Callable[[], None]]
+                        ) -> list[SegmentOutput]:
+        """The forward over `segments`, with `work` run beside it on the worker thread."""
+        if not work:
+            return self.forward(segments)
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dresd-drafting")
+        done = self.worker.submit(self._run_deferred, work)
+        try:
+            return self.forward(segments)
+        finally:
+            done.result()  # the drafters' state is settled before the next step reads it
 
     @torch.inference_mode()
     def step(self) -> list[Running]:
@@ -233,9 +260,12 @@ class BatchEngine:
                              sum(len(chunk) for chunk in chunks.values()))
         segments = [chunks.get(id(state)) or self._tree_segment(state) for state in members]
 
-        # 2. One forward over all of them.
+        # 2. One forward over all of them, the drafters' deferred work beside it.
+        work = self.deferred + [state.request.drafter.background for state in members
+                                if state.drafted]
+        self.deferred = []
         forward_started = clock(self.device)
-        outputs = self.forward(segments)
+        outputs = self._beside_forward(segments, work)
         self.steps += 1
         self.last_step = (len(segments), sum(len(segment) for segment in segments))
         if self.cost is not None:
@@ -452,7 +482,9 @@ class BatchEngine:
         result = state.result
         if state.states and state.error is None:  # a drafter that learns keeps what was said
             states = torch.cat(state.states)[: len(result.token_ids)]
-            state.request.drafter.observe(list(state.request.prompt), result.token_ids, states)
+            self.deferred.append(functools.partial(
+                state.request.drafter.observe, list(state.request.prompt),
+                list(result.token_ids), states))
         result.num_target_forwards = (1 if state.query is not None else 0) + len(result.steps)
         for kept in (result.top2_logits, result.logprobs):  # rows past a stop: not emitted
             if kept is not None:

@@ -11,9 +11,12 @@ A drafter that drafts for another (`hybrid` merges several sources into one tree
 retrieved neighbours propose it, how often its tokens followed in the drafter's data). Those
 are features `hybrid` learns acceptance by, without knowing which drafter it asks.
 
-Two more hooks, both no-ops unless a drafter needs them: `check_target` before the first step
+Three more hooks, no-ops unless a drafter needs them: `check_target` before the first step
 (a datastore refuses a model it was not built for; `hybrid` measures the verify-cost curve it
-budgets by) and `observe` after a generation ends (drafters that learn from finished outputs).
+budgets by), `observe` after a generation ends (drafters that learn from finished outputs) and
+`background`, work that can wait for the next forward (`hybrid` learning from a step's
+outcome). The batched loop runs `observe` and `background` beside its next forward, where the
+forward leaves a core free, so that neither delays a step.
 
 A drafter's options are the fields of a frozen dataclass it derives from (what `make_drafter`
 passes, `--methods` may set and a bench report records); what it opens, learns or caches are
@@ -103,4 +106,12 @@ class Drafter:
     def observe(self, prompt: Sequence[int], output: Sequence[int],
                 hidden_states: torch.Tensor | None = None) -> None:
         """Called with every finished generation (`hidden_states`: the target's last-layer
-        states of `output`, where the loop kept them), for drafters that learn from outputs."""
+        states of `output`, where the loop kept them), for drafters that learn from outputs.
+        The batched loop calls it beside its next forward: a request that starts in the next
+        step drafts without it, those after with it."""
+
+    def background(self) -> None:
+        """Work of the last `propose` that can wait (learning from what the step before it
+        emitted): the batched loop calls it beside the forward that follows. Its results must
+        not depend on when it runs, so that drafts do not depend on the machine's timing: a
+        drafter does what was left undone at its next `propose`."""

@@ -30,8 +30,10 @@ machine's verify-cost curve. At every step this drafter:
    n = 0 is plain decoding (ratio 1): when no candidate is worth its cost, nothing is drafted.
 4. Learns: the next call's context holds the tokens the step emitted (the accepted path and the
    bonus token), so every candidate whose parent lay on that path is an observation, verified
-   or not: accepted if its token is the one that came. The table persists across generations
-   of one drafter, so a bench or a server calibrates it on its own workload.
+   or not: accepted if its token is the one that came. That learning waits a step
+   (`background`): the loop runs it beside the next forward, off the critical path. The table
+   persists across generations of one drafter, so a bench or a server calibrates it on its
+   own workload.
 
 5. Consults only the sources that pay for their time (`SourceLedger`): a source whose share of
    the accepted tokens (those lost without it) falls below its share of the step's time is
@@ -471,6 +473,7 @@ class HybridDrafter(HybridOptions, Drafter):
     clock: Callable[[], float]
     steps: int  # calls to propose
     last: LastStep | None  # the previous step
+    unlearned: tuple[LastStep, list[int]] | None  # the step before, and what it emitted
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -493,14 +496,14 @@ class HybridDrafter(HybridOptions, Drafter):
         self.ledger = SourceLedger()
         self.costs = np.zeros(0)
         self.clock = time.perf_counter
-        self.steps, self.last = 0, None
+        self.steps, self.last, self.unlearned = 0, None, None
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
         own last step and its sources' own per-request state."""
         forked = copy.copy(self)
         forked.sources = {name: source.fork() for name, source in self.sources.items()}
-        forked.last, forked.steps = None, 0
+        forked.last, forked.unlearned, forked.steps = None, None, 0
         return forked
 
     def check_target(self, target: Target) -> None:
@@ -517,7 +520,10 @@ class HybridDrafter(HybridOptions, Drafter):
             raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
                              "call check_target(target) (the runner does), which measures it")
         started = self.clock()
-        continued = self._learn(context.token_ids)
+        self.background()  # the step before last, unless the loop learned it beside a forward
+        continued = self._follows_last_step(context.token_ids)
+        self.unlearned = (self.last, context.token_ids[self.last.length :].tolist()
+                          ) if continued else None
         self.steps += 1
         skip = (self.ledger.to_skip(self.steps, context.batch_size)
                 if self.skip_sources and self.step_seconds else None)
@@ -570,19 +576,27 @@ class HybridDrafter(HybridOptions, Drafter):
         for source in self.sources.values():
             source.observe(prompt, output, hidden_states)
 
-    def _learn(self, token_ids: np.ndarray) -> bool:
-        """Score the previous step's candidates against the tokens that step emitted (the
-        accepted path, then the bonus token), and its sources' time against what only they
-        found. False where `token_ids` starts a new generation."""
-        if self.last is None:
-            return False
-        step, self.last = self.last, None
-        tree, length = step.tree, step.length
-        if len(token_ids) <= length or not np.array_equal(
-                token_ids[length - len(step.tail) : length], step.tail):
-            return False  # a new generation: the last step's candidates are not comparable
-        emitted = token_ids[length:].tolist()
-        lost = tree.learn(emitted, self.table)  # source -> accepted tokens lost without it
+    def _follows_last_step(self, token_ids: np.ndarray) -> bool:
+        """Whether `token_ids` continue the context the last step drafted after (else a new
+        generation starts, and the last step's candidates are not comparable)."""
+        last = self.last
+        return last is not None and len(token_ids) > last.length and np.array_equal(
+            token_ids[last.length - len(last.tail) : last.length], last.tail)
+
+    def background(self) -> None:
+        """Learn from the step before last (`_learn`). It waits for the next forward: the
+        batched loop runs it beside that forward, on a core the forward leaves free, and
+        `propose` runs it first where the loop did not. Either way a step's outcome is learned
+        one step later, so the drafts are the same whoever runs it."""
+        if self.unlearned is not None:
+            step, emitted = self.unlearned
+            self.unlearned = None
+            self._learn(step, emitted)
+
+    def _learn(self, step: LastStep, emitted: list[int]) -> None:
+        """Score a step's candidates against the tokens it emitted (the accepted path, then the
+        bonus token), and its sources' time against what only they found."""
+        lost = step.tree.learn(emitted, self.table)  # source -> accepted tokens lost without it
         # A generation's first call also reads its prompt (suffix builds the prompt's tree):
         # a cost per generation, not per step, which leaving a source out would not save.
         if self.step_seconds and not step.first:
@@ -592,4 +606,3 @@ class HybridDrafter(HybridOptions, Drafter):
                           else 1.0)
                 tokens, seconds = len(emitted), step.seconds + verify * self.step_seconds
             self.ledger.record(step.source_seconds, lost, tokens, seconds)
-        return True
