@@ -36,7 +36,10 @@ from dresd.datastore.format import DatastoreError
 from dresd.errors import MissingPackageError, UserError
 
 KINDS = ("auto", "exact", "ivf", "ivfpq", "scann")
-EXACT_MAX_ENTRIES = 50_000  # above this, one query scoring every key costs over ~1 ms
+# Above this many keys an IVF query beats an exact one with the caches a verify forward leaves
+# cold (`benchmarks/micro/exact_vs_ivf.py`: exact 94 vs IVF 139 us at 10k keys, 154 vs 150 at
+# 20k, 352 vs 121 at 50k, k = 20, one thread; `benchmarks/results/exact_vs_ivf.json`)
+EXACT_MAX_ENTRIES = 20_000
 KEYS_FILE = "keys.npy"
 IVF_FILE = "index.faiss"
 SCANN_DIR = "scann"
