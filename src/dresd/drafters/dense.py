@@ -44,7 +44,7 @@ HumanEval: 100 prompts, 1.00M tokens of the standard library; mean accepted leng
 - value length: drafts of 5 / 10 / 20 tokens: 2.48 / 2.57 / 2.58 (GSM8K), 1.45 / 1.46 / 1.46:
   10, as the paper;
 - exact search vs IVF vs IVF-PQ at recall@10 0.9: 2.57 / 2.52 / 2.56 (GSM8K), 1.46 / 1.42
-  (HumanEval, exact / IVF); IVF is the default above 50k entries for its speed (0.1-0.2 ms per
+  (HumanEval, exact / IVF); IVF is the default above 20k entries for its speed (0.1-0.2 ms per
   step against ~9 ms for an exact scan of 1M keys), IVF-PQ (`--index ivfpq`) for stores whose
   keys outgrow RAM (0.3-0.5 ms per step).
 
