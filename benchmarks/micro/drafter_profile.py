@@ -19,6 +19,7 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +35,7 @@ from dresd.runner import GenerationSettings, MethodRunner
 
 # "module:Class.attribute" -> the row's name. Inclusive times: a row's time holds its callees'.
 PROBES = {
+    "dresd.decoding.batch:BatchEngine.step": "step (loop: drafting, forward, acceptance)",
     "dresd.decoding.batch:BatchEngine._draft": "drafting (loop)",
     "dresd.decoding.tree:DraftTree.from_drafts": "  token tree (loop)",
     "dresd.drafters.lookup:PromptLookupDrafter.propose": "  pld.propose",
@@ -43,13 +45,14 @@ PROBES = {
     "dresd.drafters.suffix:SuffixTrie.find": "      suffix: find",
     "dresd.drafters.suffix:expand": "      suffix: expand",
     "dresd.drafters.rest:RestDrafter.propose": "  rest.propose",
-    "dresd.drafters.dense:DenseDrafter.neighbour_drafts": "  dresd.neighbour_drafts",
+    "dresd.drafters.dense:DenseDrafter.neighbour_rows": "  dresd: neighbours' drafts",
     "dresd.datastore.transform:KeyTransform.apply": "    dresd: transform",
     "dresd.datastore.dense:DenseDatastore.search": "    dresd: search (transform incl.)",
     "dresd.drafters.dense:agreeing_prefixes": "  dresd: agreeing_prefixes",
-    "dresd.drafters.prefixes:prefix_tree_drafts": "  dresd: prefix_tree_drafts",
+    "dresd.drafters.prefixes:padded_prefix_tree": "  dresd: node budget (prefix tree)",
+    "dresd.kernels.drafting:dense_drafts": "    dresd: drafts from the store, in C",
     "dresd.drafters.hybrid:HybridDrafter._learn": "  hybrid: learn (table, ledger)",
-    "dresd.kernels.drafting:HybridTree.learn": "    hybrid: learn, in C",
+    "dresd.kernels.drafting:HybridTree.observe": "    hybrid: learn, in C",
     "dresd.drafters.hybrid:SourceLedger.record": "    hybrid: ledger",
     "dresd.drafters.hybrid:HybridDrafter._merge": "  hybrid: merge candidates",
     "dresd.kernels.drafting:HybridTree.__init__": "    hybrid: merge, in C",
@@ -63,9 +66,13 @@ PROBES = {
 
 
 class Timers:
-    """Wall seconds and calls per probe name, filled by the wrappers `install` puts in place."""
+    """Seconds and calls per probe name, filled by the wrappers `install` puts in place.
+    `clock`: wall time, or the thread's CPU time (`--clock cpu`: what a step's drafting costs
+    the core it runs on, whatever else the machine runs; a shared machine stretches wall time
+    by the time the thread waits for a core)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.depth: dict[str, int] = defaultdict(int)  # recursion guard: time the outer call
@@ -76,11 +83,11 @@ class Timers:
             if self.depth[name]:
                 return function(*args, **kwargs)
             self.depth[name] += 1
-            started = time.perf_counter()
+            started = self.clock()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                self.seconds[name] += self.clock() - started
                 self.calls[name] += 1
                 self.depth[name] -= 1
         return timed
@@ -90,8 +97,11 @@ class Timers:
             module_name, attribute = path.split(":")
             module = importlib.import_module(module_name)
             owner_name, _, member = attribute.rpartition(".")
-            owner = getattr(module, owner_name) if owner_name else module
-            original = owner.__dict__[member] if owner_name else getattr(module, member)
+            owner = getattr(module, owner_name, None) if owner_name else module
+            original = (owner.__dict__.get(member) if owner_name else getattr(module, member, None)
+                        ) if owner is not None else None
+            if original is None:  # not in this version of the code (a profile of an older one)
+                continue
             if isinstance(original, classmethod | staticmethod):  # wrap the function inside
                 timed = type(original)(self.wrap(name, original.__func__))
             else:
@@ -119,6 +129,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time the probes by wall time or by the thread's CPU time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -127,9 +139,10 @@ def main() -> None:
     prompts = [encode_prompt(target.tokenizer, p.text)
                for p in load_prompts(args.dataset, args.limit)]
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens)
-    timers = Timers()
+    timers = Timers(time.perf_counter if args.clock == "wall" else time.thread_time)
     timers.install()
     meta = {"threads": args.threads, "cpu": cpu_model(), "cpu_native_bf16": native_bf16_flags(),
+            "clock": args.clock, "load_average": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report = {"meta": meta, "model": target.name,
               "dtype": str(target.dtype), "dataset": args.dataset, "prompts": len(prompts),
@@ -173,7 +186,10 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Drafting per step, live ({report['model']}, {report['dtype']}, "
              f"{report['dataset']} x {report['prompts']}, {meta.get('threads')} thread(s), "
-             f"{meta.get('cpu', '')})", ""]
+             f"{meta.get('cpu', '')})", "",
+             f"{meta['date']}; probes timed by {meta['clock']} clock; load average before the "
+             f"run {', '.join(f'{x:.1f}' for x in meta['load_average'])}. Times are inclusive "
+             "(a row holds the rows indented under it); per decode step of the method.", ""]
     for label, figures in report["methods"].items():
         lines += [f"## {label}: {figures['tokens_per_second']:.1f} tokens/s, step "
                   f"{figures['step_ms']:.2f} ms (verify {figures['verify_ms_per_step']:.2f}), "
