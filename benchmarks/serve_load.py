@@ -114,9 +114,12 @@ def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
             finish = choice.finish_reason or finish
     seconds = time.perf_counter() - started
     tokens = usage.completion_tokens if usage else predicted
+    details = usage.prompt_tokens_details if usage else None
     return {"prompt": prompt, "text": "".join(pieces), "finish_reason": finish,
             "ttft_s": first, "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds if seconds else None}
+            "tokens_per_s": tokens / seconds if seconds else None,
+            "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "cached_tokens": (details.cached_tokens or 0) if details else 0}
 
 
 def server_metrics(url: str) -> dict[str, float]:
@@ -148,6 +151,9 @@ def summarize_phase(records: list[dict], wall: float) -> dict:
         "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
         "tokens_per_s": tokens / wall,  # the whole run: completion tokens / wall seconds
         "request_tokens_per_s_p50": percentile([r["tokens_per_s"] for r in records], 50),
+        # prompt tokens the server read from its prefix cache (usage.prompt_tokens_details)
+        "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in records),
+        "cached_tokens": sum(r.get("cached_tokens", 0) for r in records),
     }
 
 
@@ -178,7 +184,10 @@ def markdown(report: dict) -> str:
         "    PYTHONPATH=src .venv/bin/python benchmarks/serve_load.py "
         f"--clients {report['clients']} --rounds {report['rounds']} "
         f"--max-tokens {report['max_tokens']} --threads {report['threads']} "
-        f"--dtype {report.get('dtype', 'float32')}",
+        f"--dtype {report.get('dtype', 'float32')}"
+        + (f" --method {report['method']}" if report.get("server_args") is not None else "")
+        + (f" --server-args '{report['server_args']}'" if report.get("server_args") else "")
+        + (" --reset-prefix-cache" if report.get("reset_prefix_cache") else ""),
         f"Sequential: the {report['prompts']} prompts one at a time. Concurrent: "
         f"{report['clients']} clients at once, each prompt {report['rounds']} times. "
         f"Concurrent outputs against sequential ones: {same}; incomplete responses: "
@@ -190,6 +199,12 @@ def markdown(report: dict) -> str:
             "latency p99 s | tokens/s (run) | tokens/s per request p50 |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             *rows]),
+        "Prompt tokens read from the prefix cache: " + "; ".join(
+            f"{phase} {report[phase].get('cached_tokens', 0)} of "
+            f"{report[phase].get('prompt_tokens', 0)}"
+            for phase in ("sequential_ar", "sequential", "concurrent") if phase in report)
+        + (" (the cache emptied before each phase)" if report.get("reset_prefix_cache")
+           else "") + f"; server options: `{report.get('server_args') or '(none)'}`.",
         "TTFT: request sent to the first non-empty content chunk. tokens/s (run): completion "
         "tokens / wall seconds of the phase. sequential_ar: the same prompts with method ar "
         "(plain decoding), one at a time. The server batches concurrent requests (up to "
@@ -229,6 +244,10 @@ def main() -> int:
     parser.add_argument("--method", default="pld")
     parser.add_argument("--dtype", default="auto", help="the server's --dtype")
     parser.add_argument("--server-args", default="", help="more `dresd serve` options")
+    parser.add_argument("--reset-prefix-cache", action="store_true",
+                        help="empty the server's prefix cache before each phase, so that the "
+                             "concurrent phase does not start with the prompts the sequential "
+                             "ones left cached")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"),
                         help="writes OUT.json and OUT.md")
     parser.add_argument("--render", action="store_true",
@@ -266,18 +285,28 @@ def main() -> int:
         model = client.models.list().data[0].id
         stream_one(client, model, "Hello.", 4, extra)  # warm-up, not counted
 
+        def reset() -> None:
+            if args.reset_prefix_cache:
+                request = urllib.request.Request(server.url + "/reset_prefix_cache", data=b"",
+                                                 method="POST")
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    reply.read()
+
         sequential_ar, sequential_ar_wall = None, None
         if not args.url:
+            reset()
             started = time.perf_counter()
             sequential_ar = [stream_one(client, model, p, args.max_tokens,
                                         {**extra, "method": "ar"}) for p in prompts]
             sequential_ar_wall = time.perf_counter() - started
+        reset()
         started = time.perf_counter()
         sequential = [stream_one(client, model, p, args.max_tokens, extra) for p in prompts]
         sequential_wall = time.perf_counter() - started
         reference = {r["prompt"]: r["text"] for r in sequential}
 
         work = prompts * args.rounds
+        reset()
         started = time.perf_counter()
         with ThreadPoolExecutor(args.clients) as pool:
             concurrent = list(pool.map(
@@ -306,6 +335,7 @@ def main() -> int:
         "incomplete": incomplete,
         "server_metrics": figures,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after
+        "server_args": args.server_args, "reset_prefix_cache": args.reset_prefix_cache,
     }
     report["sequential_outputs"] = [r["text"] for r in sequential]  # in prompts' order
     if sequential_ar is not None:
