@@ -95,7 +95,10 @@ class Timers:
     def install(self) -> None:
         for path, name in PROBES.items():
             module_name, attribute = path.split(":")
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError:  # not in the version of the code profiled
+                continue
             owner_name, _, member = attribute.rpartition(".")
             owner = getattr(module, owner_name, None) if owner_name else module
             original = (owner.__dict__.get(member) if owner_name else getattr(module, member, None)
