@@ -172,6 +172,37 @@ def test_conversation_key():
     assert 40 < sum(before[k] == "c" for k in keys) < 100  # a third each, roughly
 
 
+def test_the_router_ranks_by_key_and_spills_a_full_batch():
+    """PrefixAffinityRouter.choose_replicas on stand-ins (no Ray started): the key's ranking,
+    one rank per replica; a replica known to hold a full batch goes after those with room;
+    no key: one rank of all; a one-replica key: that replica alone."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dresd.serve.ray_routing import ONE_REPLICA, PrefixAffinityRouter, rank_replicas
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in "abc"]
+    queue_lens: dict = {}
+    router = SimpleNamespace(spill_at=4, replica_queue_len_cache=SimpleNamespace(
+        get=lambda replica_id: queue_lens.get(replica_id.unique_id)))
+    router.busy = lambda replica: PrefixAffinityRouter.busy(router, replica)
+
+    def choose(key: str) -> list[list[str]]:
+        request = SimpleNamespace(metadata=SimpleNamespace(session_id=key),
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        ranks = asyncio.run(PrefixAffinityRouter.choose_replicas(router, replicas, request))
+        return [[replica.replica_id.unique_id for replica in rank] for rank in ranks]
+
+    order = rank_replicas("k1", ["a", "b", "c"])
+    assert choose("k1") == [[name] for name in order]
+    queue_lens[order[0]] = 4  # the first choice's batch is full: the others first
+    assert choose("k1") == [[order[1]], [order[2]], [order[0]]]
+    queue_lens.update({order[1]: 5, order[2]: 9})  # all full: the key's own order
+    assert choose("k1") == [[name] for name in order]
+    assert choose("") == [["a", "b", "c"]]
+    assert choose(ONE_REPLICA + "b") == [["b"]] and choose(ONE_REPLICA + "z") == []
+
+
 def test_a_conversation_stays_on_its_replica(deployment):
     """Two conversations, one whose key ranks each replica first: both turns of each reach that
     replica, and the second turn reads its history from that replica's prefix cache; then
