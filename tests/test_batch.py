@@ -254,8 +254,9 @@ class ThreadRecorder(PromptLookupDrafter):
 
 
 def test_drafters_deferred_work_runs_beside_the_next_forward(tiny):
-    """`background` after each drafted step and `observe` after a generation run on the
-    loop's worker thread during the next forward, or at the end of `run`; outputs unchanged."""
+    """`background` after each drafted step (before the forward, on the loop's thread), and
+    `observe` after a generation on the loop's worker thread during the next forward, or at
+    the end of `run`; outputs unchanged."""
     prompts = varied_prompts(2, seed=5)
     engine = BatchEngine(tiny, max_batch_size=2)
     drafter = ThreadRecorder(lambda: engine.steps)
@@ -267,7 +268,7 @@ def test_drafters_deferred_work_runs_beside_the_next_forward(tiny):
     backgrounds = [entry for entry in drafter.log if entry[0] == "background"]
     observes = [entry for entry in drafter.log if entry[0] == "observe"]
     assert len(backgrounds) >= sum(len(s.result.steps) for s in states) - len(states) > 0
-    assert all(name.startswith("dresd-drafting") for _, name, _ in backgrounds)
+    assert all(name == threading.current_thread().name for _, name, _ in backgrounds)
     # The first generation's observe ran beside a later forward of the second one; the
     # second's, the last, when `run` ended (on the caller's thread).
     assert observes[0][1].startswith("dresd-drafting")

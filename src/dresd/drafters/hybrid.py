@@ -31,7 +31,7 @@ machine's verify-cost curve. At every step this drafter:
 4. Learns: the next call's context holds the tokens the step emitted (the accepted path and the
    bonus token), so every candidate whose parent lay on that path is an observation, verified
    or not: accepted if its token is the one that came. That learning waits a step
-   (`background`): the loop runs it beside the next forward, off the critical path. The table
+   (`background`), so that a step's drafting does not wait for it. The table
    persists across generations of one drafter, so a bench or a server calibrates it on its
    own workload.
 
@@ -584,10 +584,9 @@ class HybridDrafter(HybridOptions, Drafter):
             token_ids[last.length - len(last.tail) : last.length], last.tail)
 
     def background(self) -> None:
-        """Learn from the step before last (`_learn`). It waits for the next forward: the
-        batched loop runs it beside that forward, on a core the forward leaves free, and
-        `propose` runs it first where the loop did not. Either way a step's outcome is learned
-        one step later, so the drafts are the same whoever runs it."""
+        """Learn from the step before last (`_learn`): the batched loop runs it after drafting,
+        and `propose` runs it first where the loop did not. Either way a step's outcome is
+        learned one step later, so the drafts are the same whoever runs it."""
         if self.unlearned is not None:
             step, emitted = self.unlearned
             self.unlearned = None
