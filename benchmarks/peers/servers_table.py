@@ -136,10 +136,11 @@ def main() -> int:
             "ttft_p50_rounds": ttft, "load_average_range": [min(loads), max(loads)],
             "concurrent_mismatches_rounds": mismatches,
             "ttft_p50_s": first["concurrent"]["ttft_p50_s"],
-            "ttft_p99_s": first["concurrent"]["ttft_p99_s"],
-            "latency_p50_s": first["concurrent"]["latency_p50_s"],
-            "latency_p99_s": first["concurrent"]["latency_p99_s"],
-            "sequential_ttft_p50_s": first["sequential"]["ttft_p50_s"],
+            # means over repeats, as the p50 beside them (not the first repeat's alone)
+            "ttft_p99_s": mean([r["concurrent"]["ttft_p99_s"] for r in runs.values()]),
+            "latency_p50_s": mean([r["concurrent"]["latency_p50_s"] for r in runs.values()]),
+            "latency_p99_s": mean([r["concurrent"]["latency_p99_s"] for r in runs.values()]),
+            "sequential_ttft_p50_s": mean([r["sequential"]["ttft_p50_s"] for r in runs.values()]),
             "outputs_equal_to_dresd_ar": [same, len(reference)],
             "concurrent_identical_to_sequential_repeats": [identical, len(runs)],
             "concurrent_mismatches_max": mismatched, "incomplete_max": incomplete,
@@ -159,6 +160,11 @@ def main() -> int:
             f"{same}/{len(reference)} |")
 
     sample = reports[AR][min(reports[AR])]
+    # when the runs were made (serve_load's reports), so that a table written again later
+    # still says when it was measured
+    dates = sorted(r["date"] for runs in reports.values() for r in runs.values() if "date" in r)
+    measured = (f"{dates[0]} to {dates[-1][-9:]}" if dates else
+                f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     prompt_text = (f"serve_load.py's {sample['prompts']} short questions"
                    if sample.get("prompt_set", "builtin") == "builtin" else
                    f"the first {sample['prompts']} GSM8K test questions under 160 characters")
@@ -181,7 +187,7 @@ def main() -> int:
         f"# llama-server beside dresd serve, 1 and {clients} streaming clients"
         f"{' (SMOKE RUN)' if args.smoke else ''}",
         "",
-        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {cpu_model()} "
+        f"Measured {measured} on {cpu_model()} "
         f"({platform.machine()}, {os.cpu_count()} cores; flags: {', '.join(flags) or '-'}), "
         f"every server at {sample['threads']} thread(s) on 127.0.0.1, the clients on the same "
         f"machine (`benchmarks/serve_load.py --url`, the official `openai` client, streaming). "
