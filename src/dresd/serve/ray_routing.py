@@ -280,13 +280,11 @@ class AffinityIngress:
 class IngressDeployment:
     """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy)."""
 
-    def __init__(self, server, body_cap: int, board=None) -> None:
-        async def replica_ids() -> list[str]:
-            from dresd.serve.ray_serve import STALE_S  # the replicas heard from lately
-
+    def __init__(self, server, body_cap: int, board=None, stale_s: float = 10.0) -> None:
+        async def replica_ids() -> list[str]:  # the replicas heard from in the last stale_s
             now = time.time()
             return [name for name, report in (await board.get.remote()).items()
-                    if now - report[0] <= STALE_S]
+                    if now - report[0] <= stale_s]
 
         self.asgi = AffinityIngress(server, body_cap, replica_ids if board is not None else None)
 

@@ -256,7 +256,8 @@ def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
         max_ongoing_requests=most * max_ongoing_requests(args) + 16,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
     body_cap = getattr(args, "max_body_bytes", None) or ray_routing.INGRESS_BODY_CAP
-    serve.run(ingress.bind(replicas.bind(build), body_cap, board), name=APP_NAME, route_prefix="/")
+    serve.run(ingress.bind(replicas.bind(build), body_cap, board, STALE_S), name=APP_NAME,
+              route_prefix="/")
     return board
 
 
