@@ -230,7 +230,10 @@ class AffinityIngress:
 
         ids = sorted(await self.replica_ids())
         try:
-            replies = await asyncio.wait_for(asyncio.gather(*map(one, ids)), BROADCAST_TIMEOUT_S)
+            # One copy after another: the copies carry this request's id, and Ray Serve's router
+            # matches a routed request by that id, so two in flight at once would wait forever.
+            replies = [await asyncio.wait_for(one(replica_id), BROADCAST_TIMEOUT_S)
+                       for replica_id in ids]
         except Exception:  # noqa: BLE001 - a replica gone meanwhile, or one that never answered
             log.exception("%s did not reach every replica", scope.get("path"))
             await self.unavailable(send)
