@@ -291,6 +291,40 @@ def test_each_replica_saves_its_outputs_for_build_append(deployment, default_tar
     assert forwards_after < forwards_before  # the served answer is drafted from the store
 
 
+def test_a_client_gone_stops_its_generation_behind_the_ingress(deployment):
+    """A client that leaves mid-stream: the ingress cancels its call, the replica's app sees
+    the client gone, and the generation ends as "abort" (a generation that went on would end
+    with "length" after 400 tokens)."""
+    import http.client
+    import socket
+
+    url, _ = deployment
+
+    def aborted() -> float:
+        text = get(url + "/metrics", key=KEY)[1]
+        return sum(float(v) for v in re.findall(
+            r'^dresd:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', text,
+            re.MULTILINE))
+
+    before = aborted()
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "stream": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    reply = connection.getresponse()
+    assert reply.status == 200
+    while not re.search(rb'"content": ?"[^"]', reply.readline()):
+        pass  # until the first piece of text
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 120  # bounds a hang only; the verdict is the finish reason
+    while aborted() <= before:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.5)
+
+
 def test_a_killed_replica_fails_its_stream_and_the_other_answers(deployment):
     url, _ = deployment
     stream = client(url).chat.completions.with_streaming_response.create(
