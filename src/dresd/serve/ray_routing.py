@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -138,7 +139,7 @@ def forwarded_scope(scope: dict) -> dict:
     return {name: scope[name] for name in keep if name in scope}
 
 
-async def run_asgi(app, scope: dict, body: bytes):
+async def run_asgi(app: Callable, scope: dict, body: bytes) -> AsyncIterator[dict]:
     """Run an ASGI app on one HTTP request whose body has been read; yields the messages it
     sends. Closing the generator early (the client left) makes the app's next receive() say
     http.disconnect, which the app answers by cancelling the generation."""
@@ -173,13 +174,14 @@ class AffinityIngress:
     """The HTTP ingress (an ASGI app): reads a request, keys it, passes it to a model replica
     through `server` (a deployment handle) and streams the replica's response back."""
 
-    def __init__(self, server, body_cap: int, replica_ids=None) -> None:
+    def __init__(self, server: Any, body_cap: int,
+                 replica_ids: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.server = server
         self.body_cap = body_cap
         # the live replicas' ids (async): where a broadcast route goes
         self.replica_ids = replica_ids
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -283,7 +285,8 @@ class AffinityIngress:
 class IngressDeployment:
     """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy)."""
 
-    def __init__(self, server, body_cap: int, board=None, stale_s: float = 10.0) -> None:
+    def __init__(self, server: Any, body_cap: int, board: Any = None,
+                 stale_s: float = 10.0) -> None:
         async def replica_ids() -> list[str]:  # the replicas heard from in the last stale_s
             now = time.time()
             return [name for name, report in (await board.get.remote()).items()
@@ -291,7 +294,7 @@ class IngressDeployment:
 
         self.asgi = AffinityIngress(server, body_cap, replica_ids if board is not None else None)
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> AffinityIngress:
         return self.asgi
 
 
@@ -300,7 +303,7 @@ class Lifespan:
     behind the ingress is called through a handle, not by Ray Serve's HTTP server, which would
     otherwise run it."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: Callable) -> None:
         self.app = app
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -325,12 +328,12 @@ class ModelReplica:
     """Ray Serve deployment class of a model replica behind the ingress: builds the server's
     app once and starts it, then runs each forwarded request through it."""
 
-    async def __init__(self, build) -> None:
+    async def __init__(self, build: Callable[[], Callable]) -> None:
         self.app = build()
         self.lifespan = Lifespan(self.app)
         await self.lifespan.startup()
 
-    async def forward(self, scope: dict, body: bytes):
+    async def forward(self, scope: dict, body: bytes) -> AsyncIterator[dict]:
         # a fresh request state, as an ASGI server gives each request
         async for message in run_asgi(self.app, {**scope, "state": {}}, body):
             yield message
@@ -339,7 +342,7 @@ class ModelReplica:
         await self.lifespan.shutdown()
 
 
-def affinity_router_config(spill_at: int):
+def affinity_router_config(spill_at: int) -> Any:
     """The model replicas' `request_router_config`."""
     from ray.serve.config import RequestRouterConfig
 
