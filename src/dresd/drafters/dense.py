@@ -108,6 +108,21 @@ def agreeing_prefixes(neighbours: list[list[int]]) -> dict[tuple[int, ...], int]
     return dict(kept)
 
 
+def distinct_padded(rows: np.ndarray, num_drafts: int) -> list[Draft]:
+    """`distinct_drafts` of rows of token ids + 1 followed by zeros (the kernel's), converting
+    only the rows it keeps: the first few of up to k."""
+    drafts: list[Draft] = []
+    seen: set[tuple[int, ...]] = set()
+    for row in rows.tolist():
+        key = tuple(row)
+        if row[0] and key not in seen:  # equal padded rows: equal drafts
+            seen.add(key)
+            drafts.append([token - 1 for token in row if token])
+            if len(drafts) == num_drafts:
+                break
+    return drafts
+
+
 def unpadded(rows: np.ndarray) -> list[list[int]]:
     """Rows of token ids + 1 followed by zeros, as token-id lists."""
     lengths = np.count_nonzero(rows, axis=1).tolist()
@@ -202,8 +217,9 @@ class DenseDrafter(DenseOptions, Drafter):
             if isinstance(rows, np.ndarray):  # ranked in C from the rows as they are
                 return padded_prefix_tree(rows, self.max_tree_nodes)
             return prefix_tree_drafts(rows, self.max_tree_nodes)
-        return distinct_drafts(unpadded(rows) if isinstance(rows, np.ndarray) else rows,
-                               self.num_drafts)
+        if isinstance(rows, np.ndarray):
+            return distinct_padded(rows, self.num_drafts)
+        return distinct_drafts(rows, self.num_drafts)
 
     def candidates(self, context: DraftContext) -> list[Candidate]:
         """Every kept neighbour's draft, with the number of neighbours that propose it; drafts
