@@ -261,12 +261,7 @@ class BatchEngine:
                              sum(len(chunk) for chunk in chunks.values()))
         segments = [chunks.get(id(state)) or self._tree_segment(state) for state in members]
 
-        # 2. One forward over all of them, finished generations' `observe` beside it. The
-        # drafters' `background` work (~0.05 ms) runs here, before it: on the worker thread it
-        # cost more in handing over than it saved (`Drafter.background`).
-        for state in members:
-            if state.drafted:
-                state.request.drafter.background()
+        # 2. One forward over all of them, finished generations' `observe` beside it.
         work, self.deferred = self.deferred, []
         forward_started = clock(self.device)
         outputs = self._beside_forward(segments, work)

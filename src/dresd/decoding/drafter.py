@@ -11,12 +11,11 @@ A drafter that drafts for another (`hybrid` merges several sources into one tree
 retrieved neighbours propose it, how often its tokens followed in the drafter's data). Those
 are features `hybrid` learns acceptance by, without knowing which drafter it asks.
 
-Three more hooks, no-ops unless a drafter needs them: `check_target` before the first step
+Two more hooks, both no-ops unless a drafter needs them: `check_target` before the first step
 (a datastore refuses a model it was not built for; `hybrid` measures the verify-cost curve it
-budgets by), `observe` after a generation ends (drafters that learn from finished outputs) and
-`background`, work that can wait (`hybrid` learning from a step's outcome). The batched loop
-runs `observe` beside its next forward, where the forward leaves a core free, so that learning
-an output never delays a step.
+budgets by) and `observe` after a generation ends (drafters that learn from finished outputs).
+The batched loop runs `observe` beside its next forward, where the forward leaves a core free,
+so that learning an output never delays a step.
 
 A drafter's options are the fields of a frozen dataclass it derives from (what `make_drafter`
 passes, `--methods` may set and a bench report records); what it opens, learns or caches are
@@ -109,12 +108,3 @@ class Drafter:
         states of `output`, where the loop kept them), for drafters that learn from outputs.
         The batched loop calls it beside its next forward: a request that starts in the next
         step drafts without it, those after with it."""
-
-    def background(self) -> None:
-        """Work of the last `propose` that can wait (learning from what the step before it
-        emitted): the batched loop calls it after drafting, before the forward. Its results
-        must not depend on when it runs, so that drafts do not depend on who calls it: a
-        drafter does what was left undone at its next `propose`. (Run beside the forward on a
-        worker thread, hybrid's ~0.05 ms cost more in handing over to the thread and back than
-        it saved: tokens/s 0.97x of running it inline, 4 interleaved rounds on a shared
-        2-core machine.)"""

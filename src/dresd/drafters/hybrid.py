@@ -30,10 +30,8 @@ machine's verify-cost curve. At every step this drafter:
    n = 0 is plain decoding (ratio 1): when no candidate is worth its cost, nothing is drafted.
 4. Learns: the next call's context holds the tokens the step emitted (the accepted path and the
    bonus token), so every candidate whose parent lay on that path is an observation, verified
-   or not: accepted if its token is the one that came. That learning waits a step
-   (`background`), so that a step's drafting does not wait for it. The table
-   persists across generations of one drafter, so a bench or a server calibrates it on its
-   own workload.
+   or not: accepted if its token is the one that came. The table persists across generations
+   of one drafter, so a bench or a server calibrates it on its own workload.
 
 5. Consults only the sources that pay for their time (`SourceLedger`): a source whose share of
    the accepted tokens (those lost without it) falls below its share of the step's time is
@@ -280,6 +278,10 @@ class CandidateTree:
                 reach[kid] = reach[node] * pk * scale
         return reach
 
+    def __len__(self) -> int:
+        """Nodes, the root included."""
+        return len(self.tokens)
+
     def path(self, node: int) -> list[int]:
         tokens = []
         while node > 0:
@@ -334,11 +336,6 @@ class CompiledCandidateTree(drafting.HybridTree):
 
 
 Tree = CandidateTree | CompiledCandidateTree
-
-
-def tree_size(tree: Tree) -> int:
-    """Nodes, the root included."""
-    return tree.nodes if isinstance(tree, CompiledCandidateTree) else len(tree.tokens)
 
 
 @dataclass
@@ -473,7 +470,6 @@ class HybridDrafter(HybridOptions, Drafter):
     clock: Callable[[], float]
     steps: int  # calls to propose
     last: LastStep | None  # the previous step
-    unlearned: tuple[LastStep, list[int]] | None  # the step before, and what it emitted
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -496,14 +492,14 @@ class HybridDrafter(HybridOptions, Drafter):
         self.ledger = SourceLedger()
         self.costs = np.zeros(0)
         self.clock = time.perf_counter
-        self.steps, self.last, self.unlearned = 0, None, None
+        self.steps, self.last = 0, None
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
         own last step and its sources' own per-request state."""
         forked = copy.copy(self)
         forked.sources = {name: source.fork() for name, source in self.sources.items()}
-        forked.last, forked.unlearned, forked.steps = None, None, 0
+        forked.last, forked.steps = None, 0
         return forked
 
     def check_target(self, target: Target) -> None:
@@ -520,10 +516,9 @@ class HybridDrafter(HybridOptions, Drafter):
             raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
                              "call check_target(target) (the runner does), which measures it")
         started = self.clock()
-        self.background()  # the step before last, unless the loop learned it beside a forward
         continued = self._follows_last_step(context.token_ids)
-        self.unlearned = (self.last, context.token_ids[self.last.length :].tolist()
-                          ) if continued else None
+        if continued:  # step 4: what the last step emitted scores its candidates
+            self._learn(self.last, context.token_ids[self.last.length :].tolist())
         self.steps += 1
         skip = (self.ledger.to_skip(self.steps, context.batch_size)
                 if self.skip_sources and self.step_seconds else None)
@@ -541,7 +536,7 @@ class HybridDrafter(HybridOptions, Drafter):
                                     source_seconds, first=not continued,
                                     batch=(context.batch_size, context.batch_tokens,
                                            context.batch_seconds))
-        drafts, step.verified = self._cut(tree) if tree_size(tree) > 1 else ([], 0)
+        drafts, step.verified = self._cut(tree) if len(tree) > 1 else ([], 0)
         step.seconds = self.clock() - started
         return drafts
 
@@ -582,15 +577,6 @@ class HybridDrafter(HybridOptions, Drafter):
         last = self.last
         return last is not None and len(token_ids) > last.length and np.array_equal(
             token_ids[last.length - len(last.tail) : last.length], last.tail)
-
-    def background(self) -> None:
-        """Learn from the step before last (`_learn`): the batched loop runs it after drafting,
-        and `propose` runs it first where the loop did not. Either way a step's outcome is
-        learned one step later, so the drafts are the same whoever runs it."""
-        if self.unlearned is not None:
-            step, emitted = self.unlearned
-            self.unlearned = None
-            self._learn(step, emitted)
 
     def _learn(self, step: LastStep, emitted: list[int]) -> None:
         """Score a step's candidates against the tokens it emitted (the accepted path, then the

@@ -120,6 +120,10 @@ class HybridTree:
             self.block.ctypes.data, self.capacity, 0, tokens_, offsets_, len(offsets) - 1,
             sources_, neighbours_, shares_, max_len)
 
+    def __len__(self) -> int:
+        """Nodes, the root included."""
+        return self.nodes
+
     def column(self, name: str) -> np.ndarray:
         return self.block[TREE_COLUMNS.index(name), : self.nodes]
 
