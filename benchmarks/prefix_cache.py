@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import serve_load
 from serve_load import percentile
 from transformers import AutoTokenizer
 
@@ -95,24 +96,9 @@ def mt_bench(count: int) -> list[list[str]]:
 
 def stream_chat(client: openai.OpenAI, messages: list[dict], max_tokens: int,
                 extra: dict | None = None) -> dict:
-    started = time.perf_counter()
-    first, pieces, usage = None, [], None
-    with client.chat.completions.with_streaming_response.create(
-            model=MODEL, messages=messages, max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra) as response:
-        replica = response.headers.get("x-dresd-replica", "-")
-        for chunk in response.parse():
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    first = first if first is not None else time.perf_counter() - started
-                    pieces.append(choice.delta.content)
-    details = usage.prompt_tokens_details
-    return {"question": messages[-1]["content"], "text": "".join(pieces), "ttft_s": first,
-            "seconds": time.perf_counter() - started, "tokens": usage.completion_tokens,
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": details.cached_tokens if details else 0, "replica": replica}
+    """`serve_load.stream_chat` to the default model, with the chat's last message."""
+    return {"question": messages[-1]["content"],
+            **serve_load.stream_chat(client, MODEL, messages, max_tokens, extra)}
 
 
 def wave(client: openai.OpenAI, chats: list[list[dict]], max_tokens: int,

@@ -91,35 +91,44 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
-               extra: dict) -> dict:
-    """One streamed chat completion, timed from the client's side. Completion tokens from the
-    usage chunk, else from llama.cpp's `timings` (its server reports them there)."""
+def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int,
+                extra: dict | None = None) -> dict:
+    """One streamed chat completion, timed from the client's side, with the replica that
+    answered (`x-dresd-replica`, "-" from a server without replicas). Completion tokens from
+    the usage chunk, else from llama.cpp's `timings` (its server reports them there)."""
     started = time.perf_counter()
     first = None
     pieces, finish, usage, predicted = [], None, None, 0
-    stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra)
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        timings = (chunk.model_extra or {}).get("timings")
-        if usage is None and isinstance(timings, dict) and "predicted_n" in timings:
-            predicted = int(timings["predicted_n"])
-        for choice in chunk.choices:
-            if choice.delta.content:
-                first = first if first is not None else time.perf_counter() - started
-                pieces.append(choice.delta.content)
-            finish = choice.finish_reason or finish
+    with client.chat.completions.with_streaming_response.create(
+            model=model, messages=messages, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body=extra) as response:
+        replica = response.headers.get("x-dresd-replica", "-")
+        for chunk in response.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            timings = (chunk.model_extra or {}).get("timings")
+            if usage is None and isinstance(timings, dict) and "predicted_n" in timings:
+                predicted = int(timings["predicted_n"])
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    first = first if first is not None else time.perf_counter() - started
+                    pieces.append(choice.delta.content)
+                finish = choice.finish_reason or finish
     seconds = time.perf_counter() - started
     tokens = usage.completion_tokens if usage else predicted
     details = usage.prompt_tokens_details if usage else None
-    return {"prompt": prompt, "text": "".join(pieces), "finish_reason": finish,
+    return {"text": "".join(pieces), "finish_reason": finish,
             "ttft_s": first, "seconds": seconds, "tokens": tokens,
             "tokens_per_s": tokens / seconds if seconds else None,
             "prompt_tokens": usage.prompt_tokens if usage else 0,
-            "cached_tokens": (details.cached_tokens or 0) if details else 0}
+            "cached_tokens": (details.cached_tokens or 0) if details else 0, "replica": replica}
+
+
+def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int,
+               extra: dict | None = None) -> dict:
+    """`stream_chat` of one user message, with the prompt in the record."""
+    return {"prompt": prompt, **stream_chat(client, model, [{"role": "user", "content": prompt}],
+                                            max_tokens, extra)}
 
 
 def server_metrics(url: str) -> dict[str, float]:

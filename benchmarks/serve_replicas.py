@@ -26,32 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-from serve_load import PROMPTS, percentile
+from serve_load import PROMPTS, percentile, stream_one
 
 from dresd.serve.local import LocalServer
 
 REPLICA_PROCESS = "ServeReplica:dresd:DresdServer"
-
-
-def stream_one(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat completion, timed from the client's side, with its replica."""
-    started = time.perf_counter()
-    first, pieces, finish, usage = None, [], None, None
-    with client.chat.completions.with_streaming_response.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            stream=True, stream_options={"include_usage": True}) as response:
-        replica = response.headers.get("x-dresd-replica", "-")
-        for chunk in response.parse():
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    first = first if first is not None else time.perf_counter() - started
-                    pieces.append(choice.delta.content)
-                finish = choice.finish_reason or finish
-    return {"prompt": prompt, "text": "".join(pieces), "finish_reason": finish,
-            "ttft_s": first, "seconds": time.perf_counter() - started,
-            "tokens": usage.completion_tokens if usage else 0, "replica": replica}
 
 
 def rss_mb(pid: int) -> float:
