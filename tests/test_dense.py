@@ -342,6 +342,9 @@ def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeyp
     shapes = [DenseDrafter(str(datastore), k=50),
               DenseDrafter(str(datastore), k=50, max_tree_nodes=4),
               DenseDrafter(str(datastore), k=200, max_tree_nodes=32, num_drafts=3)]
+    with monkeypatch.context() as patch:  # the same shapes, made where no kernel compiles
+        patch.setattr(drafting, "kernel", lambda: None)
+        without = [drafter.with_options() for drafter in shapes]
     transform = shapes[0].store.transform
     compared = 0
     for trial in range(20):
@@ -350,10 +353,10 @@ def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeyp
         ids = shapes[0].store.search(state.numpy(), 50)
         start, _ = shapes[0].store.value_bounds(ids[trial % 5 : trial % 5 + 1])
         bonus = int(shapes[0].store.stream[start[0]])  # a searched entry's next token
-        for drafter, draft_len in zip(shapes, (10, 3, 1), strict=True):
+        for pair, draft_len in zip(zip(shapes, without, strict=True), (10, 3, 1), strict=True):
             context = DraftContext(np.array([1, 2, bonus]), state, draft_len)
             outputs = []
-            for kernel in (drafting.kernel, lambda: None):
+            for drafter, kernel in zip(pair, (drafting.kernel, lambda: None), strict=True):
                 with monkeypatch.context() as patch:
                     patch.setattr(drafting, "kernel", kernel)
                     outputs.append((drafter.neighbour_drafts(context, draft_len),

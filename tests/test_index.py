@@ -52,6 +52,10 @@ def test_ivf_finds_planted_neighbours_and_records_nprobe(tmp_path):
     _, ids = index.search(queries, 10)
     found = np.mean([t in row for t, row in zip(targets, ids, strict=True)])
     assert found >= 0.9
+    for query, batch_scores, batch_ids in zip(queries[:20], *index.search(queries[:20], 10),
+                                              strict=True):  # one query: the direct call
+        scores, one = index.search(query, 10)
+        assert np.array_equal(one[0], batch_ids) and np.array_equal(scores[0], batch_scores)
 
 
 def test_num_lists_is_about_four_sqrt_n():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
+from dresd.kernels import drafting
 
 
 def correlated_states(n: int = 4000, d: int = 24, seed: int = 0) -> np.ndarray:
@@ -65,3 +67,23 @@ def test_constant_dimension_does_not_divide_by_zero():
 def test_too_small_a_sample_is_refused():
     with pytest.raises(ValueError, match="needs more than 8 positions"):
         fit(correlated_states(n=8), 8, parts=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_query_in_c_is_apply_to_float_rounding(dtype, monkeypatch):
+    """A decode step's key (`key`: one C call on the forward's own row, bf16 or float32) is
+    `apply`'s key up to float32 rounding, and the same as numpy's where no kernel compiles."""
+    x = correlated_states(n=600, d=40)
+    transform = fit(x, 12)
+    for state in x[:50]:
+        tensor = torch.tensor(state).to(dtype)
+        expected = transform.apply(tensor.float().numpy())
+        key = transform.key(tensor)
+        assert key.dtype == np.float32 and key.shape == (12,)
+        assert np.abs(key - expected).max() < 1e-5
+        assert np.array_equal(transform.key(tensor.float().numpy()), expected)
+        with monkeypatch.context() as patch:
+            patch.setattr(drafting, "kernel", lambda: None)
+            assert np.array_equal(transform.key(tensor), expected)
+    at_mean = transform.key(torch.tensor(transform.mean))  # W mu + b ~ 0: rounding's residue
+    assert np.all(np.isfinite(at_mean))

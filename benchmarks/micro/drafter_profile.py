@@ -47,6 +47,8 @@ PROBES = {
     "dresd.drafters.rest:RestDrafter.propose": "  rest.propose",
     "dresd.drafters.dense:DenseDrafter.neighbour_rows": "  dresd: neighbours' drafts",
     "dresd.datastore.transform:KeyTransform.apply": "    dresd: transform",
+    "dresd.datastore.transform:KeyTransform.key": "    dresd: transform",
+    "dresd.datastore.index:FaissIndex.search": "    dresd: FAISS search",
     "dresd.datastore.dense:DenseDatastore.search": "    dresd: search (transform incl.)",
     "dresd.drafters.dense:agreeing_prefixes": "  dresd: agreeing_prefixes",
     "dresd.drafters.prefixes:padded_prefix_tree": "  dresd: node budget (prefix tree)",
@@ -126,7 +128,8 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--methods", default="ar,pld,suffix,dresd,dresd[max_tree_nodes=4],"
                                              "rest[max_tree_nodes=4],hybrid")
-    parser.add_argument("--datastore", default="runs/demo-gsm8k-store")
+    parser.add_argument("--datastore", default="runs/demo-gsm8k-store",
+                        help="'none': hybrid from PLD and suffix alone (a model with no store)")
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--limit", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -151,7 +154,7 @@ def main() -> None:
               "dtype": str(target.dtype), "dataset": args.dataset, "prompts": len(prompts),
               "methods": {}}
     for label, method, options in parse_methods(args.methods):
-        if method in ("dresd", "rest", "hybrid"):
+        if method in ("dresd", "rest", "hybrid") and args.datastore != "none":
             options = {"datastore": args.datastore, **options}
         runner = MethodRunner(target, method, settings, label=label, **options)
         runner.generate(prompts[0])  # warm-up: kernels, the first search

@@ -432,10 +432,9 @@ class DenseDatastore:
     def check_compatible(self, target: Target) -> None:
         check_compatible(self.manifest, target)
 
-    def search(self, state: np.ndarray, k: int) -> np.ndarray:
+    def search(self, state: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
         """Entry ids of the k nearest keys to hidden state `state` [d], best first."""
-        query = self.transform.apply(np.asarray(state, dtype=np.float32))
-        _, ids = self.index.search(query[None, :], k)
+        _, ids = self.index.search(self.transform.key(state)[None, :], k)
         return ids[0][ids[0] >= 0]
 
     def value_bounds(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -106,7 +106,17 @@ class FaissIndex:
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-        return self.index.search(queries, k)
+        if len(queries) != 1:
+            return self.index.search(queries, k)
+        # A decode step's one query: straight to the SWIG call, past the Python wrapper's
+        # checks and copies (~6 us of ~100 with the caches a forward leaves).
+        import faiss
+
+        distances = np.empty((1, k), dtype=np.float32)
+        ids = np.empty((1, k), dtype=np.int64)
+        self.index.search_c(1, faiss.swig_ptr(queries), k, faiss.swig_ptr(distances),
+                            faiss.swig_ptr(ids))
+        return distances, ids
 
 
 def ivf_num_lists(num_entries: int) -> int:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from dresd.datastore.format import save_npz_atomic
 from dresd.errors import UserError
+from dresd.kernels import drafting
 
 STD_FLOOR = 1e-6  # a constant dimension gets this std, not a division by zero
 
@@ -78,6 +80,7 @@ class KeyTransform:
         # W = P diag(1/sigma), b = -W mu: one matrix product per query.
         self._weight = (self.components / self.std[None, :]).astype(np.float32)
         self._bias = -(self._weight @ self.mean).astype(np.float32)
+        self._weight_t = np.ascontiguousarray(self._weight.T)  # [d, dim]: the C key's layout
 
     @property
     def dim(self) -> int:
@@ -95,6 +98,16 @@ class KeyTransform:
         norms = np.linalg.norm(y, axis=1, keepdims=True)
         y /= np.maximum(norms, 1e-12)
         return y[0] if single else y
+
+    def key(self, state: torch.Tensor | np.ndarray) -> np.ndarray:
+        """`apply` for one hidden state [d]: a decode step's query. A CPU tensor goes to the C
+        kernel as it is (`drafting.dense_key`: one call where numpy takes several); the keys
+        agree with `apply`'s to float32 rounding (the sums' order differs)."""
+        if isinstance(state, torch.Tensor):
+            if drafting.kernel() is not None and state.device.type == "cpu":
+                return drafting.dense_key(state.detach(), self._weight_t, self._bias)
+            state = state.detach().to("cpu").float().numpy()
+        return self.apply(state)
 
     def save(self, path: str | Path) -> None:
         """An `.npz` file, written atomically; the same transform always gives the same bytes."""

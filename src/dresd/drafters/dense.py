@@ -60,6 +60,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from dresd.datastore.dense import DenseDatastore
 from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
@@ -165,6 +166,8 @@ class DenseDrafter(DenseOptions, Drafter):
         opened = isinstance(self.datastore, DenseDatastore)
         self.store = self.datastore if opened else DenseDatastore(self.datastore)
         self.learned = None
+        store = self.store  # whether the C kernel reads its drafts (checked once, not a step)
+        self._store_in_c = drafting.takes_store(store.offsets, store.stream, store.doc_starts)
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
@@ -191,13 +194,12 @@ class DenseDrafter(DenseOptions, Drafter):
                        ) -> np.ndarray | list[list[int]]:
         """`neighbour_drafts`, as the C kernel gives them where it reads the store (rows of
         token ids + 1 followed by zeros, int32 [kept, draft_len]), else as lists."""
-        state = context.hidden_state.detach().to("cpu").float().numpy()
         bonus = int(context.token_ids[-1])
         if self.learned is not None and self.learned.index is not None:
-            return self._learned_neighbours(state, bonus, draft_len)
+            return self._learned_neighbours(context.hidden_state, bonus, draft_len)
         store = self.store
-        ids = store.search(state, self.k)
-        if drafting.takes_store(store.offsets, store.stream, store.doc_starts):
+        ids = store.search(context.hidden_state, self.k)
+        if self._store_in_c:
             return drafting.dense_drafts(ids, store.offsets, store.stream, store.doc_starts,
                                          store.value_len, bonus, draft_len)
         if len(ids) == 0:
@@ -231,11 +233,11 @@ class DenseDrafter(DenseOptions, Drafter):
         return [Candidate(list(draft), neighbours=count)
                 for draft, count in agreeing_prefixes(neighbours).items()]
 
-    def _learned_neighbours(self, state: np.ndarray, bonus: int, draft_len: int
+    def _learned_neighbours(self, state: torch.Tensor, bonus: int, draft_len: int
                             ) -> list[list[int]]:
         """Drafts of the k nearest entries of the datastore and the learned store together
         (merged by score, the datastore's first on ties) that predicted the bonus token."""
-        key = self.store.transform.apply(state)
+        key = self.store.transform.key(state)
         disk_scores, disk_ids = self.store.index.search(key[None, :], self.k)
         valid = disk_ids[0] >= 0
         disk_scores, disk_ids = disk_scores[0][valid], disk_ids[0][valid]

@@ -20,6 +20,7 @@
  * One pass over the context (L) and work proportional to the matches: no per-token upkeep, so
  * a drafter that was not consulted for some steps pays nothing to catch up.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -625,18 +626,20 @@ int dresd_dense_drafts(const int64_t *ids, int count, const void *offsets, int o
         if (ids[i] < 0) continue;  /* FAISS pads a short result with -1 */
         int64_t position = offset_width == 4 ? ((const uint32_t *)offsets)[ids[i]]
                                              : ((const int64_t *)offsets)[ids[i]];
+        int64_t start = position + 1;
+        if (start >= stream_len) continue;
+        /* the bonus filter first: most neighbours fail it, and need no document lookup */
+        int64_t first = token_width == 2 ? ((const uint16_t *)stream)[start]
+                                         : ((const uint32_t *)stream)[start];
+        if (first != bonus) continue;
         /* the document holding `position`: the last start <= position */
         int64_t a = 0, b = documents;
         while (b - a > 1) {
             int64_t mid = (a + b) / 2;
             if (doc_starts[mid] <= position) a = mid; else b = mid;
         }
-        int64_t start = position + 1, end = start + value_len;
+        int64_t end = start + value_len;
         if (end > doc_starts[a + 1]) end = doc_starts[a + 1];
-        if (start >= stream_len) continue;
-        int64_t first = token_width == 2 ? ((const uint16_t *)stream)[start]
-                                         : ((const uint32_t *)stream)[start];
-        if (first != bonus) continue;
         int32_t *row = rows + (int64_t)kept * draft_len;
         int j = 0;
         for (int64_t at = start + 1; at < end && j < draft_len; at++, j++)
@@ -646,4 +649,32 @@ int dresd_dense_drafts(const int64_t *ids, int count, const void *offsets, int o
         kept++;
     }
     return kept;
+}
+
+/* DReSD's key for one hidden state (`KeyTransform.apply` for one row): key = W h + b, scaled
+ * to unit length. weight_t: W transposed, [d][dim] float32, so that each input's column is
+ * contiguous and every output sums its d products in increasing k (one pass over W, whatever
+ * the vector width). hidden: d bf16 (the forward's own row) or float32. A key that is all
+ * zeros stays zeros (the floor 1e-12 on the norm, as the Python's). */
+void dresd_dense_key(const void *hidden, int hidden_bf16, int d, const float *weight_t,
+                     const float *bias, int dim, float *key) {
+    for (int j = 0; j < dim; j++) key[j] = 0.0f;
+    for (int k = 0; k < d; k++) {
+        float h;
+        if (hidden_bf16) {
+            uint32_t bits = (uint32_t)((const uint16_t *)hidden)[k] << 16;
+            memcpy(&h, &bits, sizeof h);
+        } else {
+            h = ((const float *)hidden)[k];
+        }
+        const float *column = weight_t + (int64_t)k * dim;
+        for (int j = 0; j < dim; j++) key[j] += column[j] * h;
+    }
+    double norm = 0.0;
+    for (int j = 0; j < dim; j++) {
+        key[j] += bias[j];
+        norm += (double)key[j] * key[j];
+    }
+    float scale = (float)(1.0 / fmax(sqrt(norm), 1e-12));
+    for (int j = 0; j < dim; j++) key[j] *= scale;
 }
