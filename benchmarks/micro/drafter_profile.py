@@ -59,6 +59,13 @@ PROBES = {
     "dresd.drafters.hybrid:HybridDrafter._merge": "  hybrid: merge candidates",
     "dresd.kernels.drafting:HybridTree.__init__": "    hybrid: merge, in C",
     "dresd.drafters.hybrid:HybridDrafter._cut": "  hybrid: cut (estimates, budget)",
+    "dresd.drafters.hybrid:HybridDrafter.propose": "  hybrid: propose (all of the above)",
+    "dresd.decoding.drafter:Drafter.candidates": "  hybrid: candidates of pld, rest",
+    "dresd.drafters.suffix:SuffixDrafter.candidates": "  hybrid: candidates of suffix",
+    "dresd.drafters.dense:DenseDrafter.candidates": "  hybrid: candidates of dresd",
+    "dresd.drafters.hybrid:SourceLedger.to_skip": "  hybrid: which source to skip",
+    "dresd.drafters.hybrid:HybridDrafter._follows_last_step": "  hybrid: same generation?",
+    "dresd.decoding.batch:BatchEngine._fit_budget": "budget (loop)",
 
     "dresd.decoding.budget:AcceptanceEstimates.observe": "estimates.observe (loop)",
     "dresd.decoding.drafter:Drafter.observe": "observe (finished generation)",

@@ -68,6 +68,18 @@ def kernel() -> ctypes.CDLL | None:
     return library
 
 
+def address(array: np.ndarray) -> int:
+    """Where `array`'s data starts, for a kernel call. `array.ctypes.data` builds a ctypes
+    object each time: ~3 us with the caches a forward leaves, where a view of the buffer costs
+    ~1, and a hybrid step makes ~30 such calls (5-11 us a step saved in two paired runs of
+    `benchmarks/micro/drafting_ab.py`, whose noise floor is ~4). Read-only arrays (a
+    memory-mapped store's) and empty ones take the slow path.
+    The array must be C-contiguous, as every kernel here reads it."""
+    if array.flags.writeable and array.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return array.ctypes.data
+
+
 class ContextTree(NamedTuple):
     """A speculation tree: tokens[i] below parents[i] (-1: below the match), its probs."""
 
@@ -89,8 +101,8 @@ def suffix_context_tree(context: np.ndarray, max_depth: int, factor: float, offs
     probs = np.empty(max_nodes, dtype=np.float64)
     match_len = ctypes.c_int32(0)
     count = library.dresd_suffix_context_tree(
-        context.ctypes.data, len(context), max_depth, factor, offset, max_nodes, min_prob,
-        max_len, 0 if tree else 1, tokens.ctypes.data, parents.ctypes.data, probs.ctypes.data,
+        address(context), len(context), max_depth, factor, offset, max_nodes, min_prob,
+        max_len, 0 if tree else 1, address(tokens), address(parents), address(probs),
         ctypes.byref(match_len))
     if count < 0:
         raise MemoryError("the suffix drafting kernel ran out of memory")
@@ -115,13 +127,13 @@ class HybridTree:
         none)."""
         self.capacity = len(tokens) + 1  # every token a node at most, and the root
         self.block = np.empty((len(TREE_COLUMNS), self.capacity), dtype=np.int32)
-        # Named, so that each array lives until the call returns (`.ctypes.data` is a number).
+        # Named, so that each array lives until the call returns (`address` is a number).
         arrays = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
                   np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
                   np.asarray(shares, np.float64))
-        tokens_, offsets_, sources_, neighbours_, shares_ = (a.ctypes.data for a in arrays)
+        tokens_, offsets_, sources_, neighbours_, shares_ = (address(a) for a in arrays)
         self.nodes = kernel().dresd_hybrid_merge(
-            self.block.ctypes.data, self.capacity, 0, tokens_, offsets_, len(offsets) - 1,
+            address(self.block), self.capacity, 0, tokens_, offsets_, len(offsets) - 1,
             sources_, neighbours_, shares_, max_len)
 
     def __len__(self) -> int:
@@ -135,9 +147,9 @@ class HybridTree:
               strength: float) -> np.ndarray:
         """P(verification reaches v) for every node, from the table's arrays."""
         reach = np.empty(self.nodes, dtype=np.float64)
-        kernel().dresd_hybrid_reach(self.block.ctypes.data, self.capacity, self.nodes,
-                                    accepted.ctypes.data, tried.ctypes.data, prior.ctypes.data,
-                                    strength, reach.ctypes.data)
+        kernel().dresd_hybrid_reach(address(self.block), self.capacity, self.nodes,
+                                    address(accepted), address(tried), address(prior),
+                                    strength, address(reach))
         return reach
 
     def kept_leaves(self, reach: np.ndarray, costs: np.ndarray, max_nodes: int
@@ -147,10 +159,10 @@ class HybridTree:
         is_parent = np.empty(self.nodes, dtype=np.uint8)
         leaves = np.empty(self.nodes, dtype=np.int32)
         kept = ctypes.c_int(0)
-        count = kernel().dresd_hybrid_cut(self.block.ctypes.data, self.capacity, self.nodes,
-                                          reach.ctypes.data, costs.ctypes.data, max_nodes,
-                                          order.ctypes.data, is_parent.ctypes.data,
-                                          leaves.ctypes.data, ctypes.byref(kept))
+        count = kernel().dresd_hybrid_cut(address(self.block), self.capacity, self.nodes,
+                                          address(reach), address(costs), max_nodes,
+                                          address(order), address(is_parent),
+                                          address(leaves), ctypes.byref(kept))
         return leaves[:count].tolist(), kept.value
 
     def paths(self, leaves: list[int]) -> list[list[int]]:
@@ -171,9 +183,9 @@ class HybridTree:
         token came); per source bit, the accepted tokens lost without it (-1: none)."""
         lost = np.empty(max(num_sources, 1), dtype=np.int32)
         tokens = np.asarray(emitted, np.int64)  # named: alive until the call returns
-        kernel().dresd_hybrid_learn(self.block.ctypes.data, self.capacity,
-                                    tokens.ctypes.data, len(emitted),
-                                    accepted.ctypes.data, tried.ctypes.data, lost.ctypes.data,
+        kernel().dresd_hybrid_learn(address(self.block), self.capacity,
+                                    address(tokens), len(emitted),
+                                    address(accepted), address(tried), address(lost),
                                     num_sources)
         return lost[:num_sources].tolist()
 
@@ -186,9 +198,9 @@ def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
     rows = np.array(rows, dtype=np.int32, order="C")  # a copy: the kernel sorts it in place
     leaf_rows = np.empty(max_nodes, dtype=np.int32)
     leaf_depths = np.empty(max_nodes, dtype=np.int32)
-    count = kernel().dresd_frequent_prefixes(rows.ctypes.data, rows.shape[0], rows.shape[1],
-                                             int(is_sorted), max_nodes, leaf_rows.ctypes.data,
-                                             leaf_depths.ctypes.data)
+    count = kernel().dresd_frequent_prefixes(address(rows), rows.shape[0], rows.shape[1],
+                                             int(is_sorted), max_nodes, address(leaf_rows),
+                                             address(leaf_depths))
     if count < 0:
         raise MemoryError("the prefix-tree kernel ran out of memory")
     return [rows[r, :d] for r, d in zip(leaf_rows[:count].tolist(),
@@ -206,10 +218,10 @@ def rest_draft(symbols: np.ndarray, suffix_array: np.ndarray, tail: np.ndarray,
     leaf_lengths = np.empty(max_nodes, dtype=np.int32)
     match_len = ctypes.c_int32(0)
     count = kernel().dresd_rest_draft(
-        symbols.ctypes.data, symbols.nbytes, symbols.dtype.itemsize, suffix_array.ctypes.data,
-        int(suffix_array.dtype == np.int64), len(suffix_array), tail.ctypes.data, len(tail),
-        min_suffix, max_matches, draft_len, max_nodes, leaf_symbols.ctypes.data,
-        leaf_lengths.ctypes.data, ctypes.byref(match_len))
+        address(symbols), symbols.nbytes, symbols.dtype.itemsize, address(suffix_array),
+        int(suffix_array.dtype == np.int64), len(suffix_array), address(tail), len(tail),
+        min_suffix, max_matches, draft_len, max_nodes, address(leaf_symbols),
+        address(leaf_lengths), ctypes.byref(match_len))
     if count < 0:
         raise MemoryError("the REST kernel ran out of memory")
     return [leaf_symbols[i, :n] for i, n in enumerate(leaf_lengths[:count].tolist())]
@@ -224,9 +236,9 @@ def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     rows = np.empty((len(ids), draft_len), dtype=np.int32)
     kept = kernel().dresd_dense_drafts(
-        ids.ctypes.data, len(ids), offsets.ctypes.data, offsets.dtype.itemsize,
-        stream.ctypes.data, stream.dtype.itemsize, len(stream), doc_starts.ctypes.data,
-        len(doc_starts) - 1, value_len, bonus, draft_len, rows.ctypes.data)
+        address(ids), len(ids), address(offsets), offsets.dtype.itemsize,
+        address(stream), stream.dtype.itemsize, len(stream), address(doc_starts),
+        len(doc_starts) - 1, value_len, bonus, draft_len, address(rows))
     return rows[:kept]
 
 
@@ -240,8 +252,8 @@ def dense_key(hidden: torch.Tensor, weight_t: np.ndarray, bias: np.ndarray) -> n
     hidden = hidden.contiguous()
     key = np.empty(weight_t.shape[1], dtype=np.float32)
     kernel().dresd_dense_key(hidden.data_ptr(), int(hidden.dtype == torch.bfloat16),
-                             weight_t.shape[0], weight_t.ctypes.data, bias.ctypes.data,
-                             weight_t.shape[1], key.ctypes.data)
+                             weight_t.shape[0], address(weight_t), address(bias),
+                             weight_t.shape[1], address(key))
     return key
 
 
