@@ -128,9 +128,9 @@ class FixedBudget(HybridDrafter):
         super().__init__(**options)
         self.n = n
 
-    def _cut(self, tree) -> tuple[list[list[int]], int]:
+    def _budget(self) -> tuple[np.ndarray, int]:
         # Free rows: the n most probable nodes (fewer where the tree holds fewer).
-        return tree.cut(self.table, np.ones(self.n + 2), self.n)
+        return np.ones(self.n + 2), self.n
 
 
 def recorded(name: str) -> list[Reference]:

@@ -59,6 +59,8 @@ PROBES = {
     "dresd.drafters.hybrid:HybridDrafter._merge": "  hybrid: merge candidates",
     "dresd.kernels.drafting:HybridTree.__init__": "    hybrid: merge, in C",
     "dresd.drafters.hybrid:HybridDrafter._cut": "  hybrid: cut (estimates, budget)",
+    "dresd.drafters.hybrid:HybridDrafter._merge_and_cut": "  hybrid: merge and cut",
+    "dresd.kernels.drafting:HybridTree.drafted": "    hybrid: merge and cut, in C",
     "dresd.drafters.hybrid:HybridDrafter.propose": "  hybrid: propose (all of the above)",
     "dresd.decoding.drafter:Drafter.candidates": "  hybrid: candidates of pld, rest",
     "dresd.drafters.suffix:SuffixDrafter.candidates": "  hybrid: candidates of suffix",

@@ -322,13 +322,8 @@ class CandidateTree:
 
 
 class CompiledCandidateTree(drafting.HybridTree):
-    """`CandidateTree` in the C kernel's columns, with the same `cut` and `learn`."""
-
-    def cut(self, table: AcceptanceTable, costs: np.ndarray, max_nodes: int
-            ) -> tuple[list[Draft], int]:
-        reach = self.reach(table.accepted, table.tried, table.priors, table.prior_strength)
-        leaves, n = self.kept_leaves(reach, costs, max_nodes)
-        return self.paths(leaves), n
+    """`CandidateTree` in the C kernel's columns, merged and cut in one call (`drafted`), with
+    the same `learn`."""
 
     def learn(self, emitted: list[int], table: AcceptanceTable) -> Counter:
         by_bit = self.observe(emitted, table.accepted, table.tried, len(table.names))
@@ -460,7 +455,7 @@ class HybridDrafter(HybridOptions, Drafter):
     source ledger it learns, and the step it drafted last."""
 
     name = "hybrid"
-    sizes_its_trees = True  # its own budget (`_cut`) prices each tree by the curve
+    sizes_its_trees = True  # its own budget (`_budget`) prices each tree by the curve
     sources: dict[str, Drafter]  # name (a feature of the nodes it proposes) -> source
     table: AcceptanceTable
     ledger: SourceLedger
@@ -530,25 +525,29 @@ class HybridDrafter(HybridOptions, Drafter):
             source_started = self.clock()
             gathered.append((name, source.candidates(context)))
             source_seconds[name] = self.clock() - source_started
-        tree = self._merge(gathered, draft_len)
+        tree, drafts, verified = self._merge_and_cut(gathered, draft_len)
         length = len(context.token_ids)
-        step = self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
-                                    source_seconds, first=not continued,
-                                    batch=(context.batch_size, context.batch_tokens,
-                                           context.batch_seconds))
-        drafts, step.verified = self._cut(tree) if len(tree) > 1 else ([], 0)
-        step.seconds = self.clock() - started
+        self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
+                             source_seconds, first=not continued,
+                             batch=(context.batch_size, context.batch_tokens,
+                                    context.batch_seconds), verified=verified)
+        self.last.seconds = self.clock() - started
         return drafts
 
-    def _merge(self, gathered: list[tuple[str, list[Candidate]]], draft_len: int) -> Tree:
-        """Every source's candidates, cut to `draft_len`, in one trie (step 1 of the module doc):
-        the kernel's columns where it is compiled, else a `CandidateTree`."""
+    def _merge_and_cut(self, gathered: list[tuple[str, list[Candidate]]], draft_len: int
+                       ) -> tuple[Tree, list[Draft], int]:
+        """Steps 1-3 of the module doc: every source's candidates, cut to `draft_len`, in one
+        trie, and the candidates worth verifying as root paths. Returns (the trie, those
+        paths, how many tree nodes they hold). In C where the kernel is compiled (one call),
+        else a `CandidateTree`."""
+        costs, max_nodes = self._budget()
         if drafting.kernel() is None:
             tree = CandidateTree()
             for name, candidates in gathered:
                 for candidate in candidates:
                     tree.add(candidate, name, draft_len)
-            return tree
+            return tree, *(tree.cut(self.table, costs, max_nodes) if len(tree) > 1
+                           else ([], 0))
         tokens, offsets, bits, neighbours, shares = [], [0], [], [], []
         for name, candidates in gathered:
             bit = 1 << self.table.bit(name)
@@ -558,13 +557,16 @@ class HybridDrafter(HybridOptions, Drafter):
                 bits.append(bit)
                 neighbours.append(count)
                 shares += [math.nan] * len(draft) if token_shares is None else token_shares
-        return CompiledCandidateTree(tokens, offsets, bits, neighbours, shares, draft_len)
+        table = self.table
+        return CompiledCandidateTree.drafted(
+            tokens, offsets, bits, neighbours, shares, draft_len, table.accepted, table.tried,
+            table.priors, table.prior_strength, costs, max_nodes)
 
-    def _cut(self, tree: Tree) -> tuple[list[Draft], int]:
-        """The candidates worth verifying as root paths, and how many tree nodes they hold."""
-        if len(self.costs) < self.max_tree_nodes + 2:  # cost(t) for every tree size it may keep
+    def _budget(self) -> tuple[np.ndarray, int]:
+        """(cost(t) for every tree size it may keep, `cost_table`; the most nodes it keeps)."""
+        if len(self.costs) < self.max_tree_nodes + 2:
             self.costs = cost_table(self.cost, self.max_tree_nodes + 1)
-        return tree.cut(self.table, self.costs, self.max_tree_nodes)
+        return self.costs, self.max_tree_nodes
 
     def observe(self, prompt: list[int], output: list[int], hidden_states=None) -> None:
         """A generation finished: the sources that learn from outputs (see `learn`) take it."""

@@ -43,15 +43,11 @@ def kernel() -> ctypes.CDLL | None:
     function.argtypes = [pointer, i64, i32, f64, f64, i32, f64, i32, i32,
                          pointer, pointer, pointer, pointer]
     function.restype = i32
-    library.dresd_hybrid_merge.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer,
-                                           pointer, pointer, i32]
-    library.dresd_hybrid_merge.restype = i32
-    library.dresd_hybrid_reach.argtypes = [pointer, i32, i32, pointer, pointer, pointer, f64,
-                                           pointer]
-    library.dresd_hybrid_reach.restype = None
-    library.dresd_hybrid_cut.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer,
-                                         pointer, pointer, ctypes.POINTER(ctypes.c_int)]
-    library.dresd_hybrid_cut.restype = i32
+    library.dresd_hybrid_draft.argtypes = [pointer, i32, pointer, pointer, i32, pointer,
+                                           pointer, pointer, i32, pointer, pointer, pointer, f64,
+                                           pointer, i32, pointer, pointer, pointer, pointer,
+                                           pointer, pointer, pointer]
+    library.dresd_hybrid_draft.restype = i32
     library.dresd_hybrid_learn.argtypes = [pointer, i32, pointer, i32, pointer, pointer, pointer,
                                            i32]
     library.dresd_hybrid_learn.restype = None
@@ -116,66 +112,49 @@ TREE_COLUMNS = ("tokens", "parents", "depths", "sources", "support", "votes", "s
 
 
 class HybridTree:
-    """Hybrid's merged candidate trie in the kernel's columns (node 0: the root). `sources` holds
-    each node's proposing sources as a bitmask (bit i: the acceptance table's i-th source),
-    `shares` the best count-share bucket (-1: none). The kernel must be loaded."""
-
-    def __init__(self, tokens: list[int], offsets: list[int], sources: list[int],
-                 neighbours: list[int], shares: list[float], max_len: int) -> None:
-        """Merge candidates: candidate c is tokens[offsets[c] : offsets[c + 1]] (cut to
-        `max_len`) with its source's bit, its neighbour count and per-token shares (NaN:
-        none)."""
-        self.capacity = len(tokens) + 1  # every token a node at most, and the root
-        self.block = np.empty((len(TREE_COLUMNS), self.capacity), dtype=np.int32)
-        # Named, so that each array lives until the call returns (`address` is a number).
-        arrays = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
-                  np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
-                  np.asarray(shares, np.float64))
-        tokens_, offsets_, sources_, neighbours_, shares_ = (address(a) for a in arrays)
-        self.nodes = kernel().dresd_hybrid_merge(
-            address(self.block), self.capacity, 0, tokens_, offsets_, len(offsets) - 1,
-            sources_, neighbours_, shares_, max_len)
+    """Hybrid's merged candidate trie in the kernel's columns (node 0: the root), made and cut
+    by `drafted`. `sources` holds each node's proposing sources as a bitmask (bit i: the
+    acceptance table's i-th source), `shares` the best count-share bucket (-1: none). The
+    kernel must be loaded."""
 
     def __len__(self) -> int:
         """Nodes, the root included."""
         return self.nodes
 
-    def column(self, name: str) -> np.ndarray:
-        return self.block[TREE_COLUMNS.index(name), : self.nodes]
-
-    def reach(self, accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray,
-              strength: float) -> np.ndarray:
-        """P(verification reaches v) for every node, from the table's arrays."""
-        reach = np.empty(self.nodes, dtype=np.float64)
-        kernel().dresd_hybrid_reach(address(self.block), self.capacity, self.nodes,
-                                    address(accepted), address(tried), address(prior),
-                                    strength, address(reach))
-        return reach
-
-    def kept_leaves(self, reach: np.ndarray, costs: np.ndarray, max_nodes: int
-                    ) -> tuple[list[int], int]:
-        """(the kept tree's leaves, most probable first; how many nodes it keeps)."""
-        order = np.empty(self.nodes, dtype=np.int32)
-        is_parent = np.empty(self.nodes, dtype=np.uint8)
-        leaves = np.empty(self.nodes, dtype=np.int32)
-        kept = ctypes.c_int(0)
-        count = kernel().dresd_hybrid_cut(address(self.block), self.capacity, self.nodes,
-                                          address(reach), address(costs), max_nodes,
-                                          address(order), address(is_parent),
-                                          address(leaves), ctypes.byref(kept))
-        return leaves[:count].tolist(), kept.value
-
-    def paths(self, leaves: list[int]) -> list[list[int]]:
-        """Each leaf's tokens from the root's child down."""
-        tokens, parents = self.block[0].tolist(), self.block[1].tolist()
-        paths = []
-        for node in leaves:
-            path = []
-            while node > 0:
-                path.append(tokens[node])
-                node = parents[node]
-            paths.append(path[::-1])
-        return paths
+    @classmethod
+    def drafted(cls, tokens: list[int], offsets: list[int], sources: list[int],
+                neighbours: list[int], shares: list[float], max_len: int,
+                accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray, strength: float,
+                costs: np.ndarray, max_nodes: int) -> tuple[HybridTree, list[list[int]], int]:
+        """Merge candidates and cut the tree, in one kernel call. Candidate c is
+        tokens[offsets[c] : offsets[c + 1]] (cut to `max_len`) with its source's bit, its
+        neighbour count and per-token shares (NaN: none). The cut: reach estimates from the
+        table's arrays (accepted, tried, prior, strength), then of the `max_nodes` most
+        probable nodes the first n maximising (1 + their reach) / costs[n + 1]. Returns (the
+        tree, the kept leaves' paths from the root's child down, most probable first, n)."""
+        tree = cls.__new__(cls)
+        capacity = tree.capacity = len(tokens) + 1
+        tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
+        width = max(max_len, 1)
+        # Named, so that each array lives until the call returns (`address` is a number).
+        inputs = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
+                  np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
+                  np.asarray(shares, np.float64))
+        reach, order = np.empty(capacity, np.float64), np.empty(capacity, np.int32)
+        is_parent, leaves = np.empty(capacity, np.uint8), np.empty(capacity, np.int32)
+        paths, lengths = np.empty((max_nodes, width), np.int32), np.empty(max_nodes, np.int32)
+        counts = np.zeros(2, np.int32)
+        tokens_, offsets_, sources_, neighbours_, shares_ = (address(a) for a in inputs)
+        count = kernel().dresd_hybrid_draft(
+            address(tree.block), capacity, tokens_, offsets_, len(offsets) - 1, sources_,
+            neighbours_, shares_, max_len, address(accepted), address(tried), address(prior),
+            strength, address(costs), max_nodes, address(reach), address(order),
+            address(is_parent), address(leaves), address(paths), address(lengths),
+            address(counts))
+        tree.nodes, kept = counts.tolist()
+        drafts = [row[:length] for row, length in zip(paths[:count].tolist(),
+                                                      lengths[:count].tolist(), strict=True)]
+        return tree, drafts, kept
 
     def observe(self, emitted: list[int], accepted: np.ndarray, tried: np.ndarray,
                 num_sources: int) -> list[int]:
