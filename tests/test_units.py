@@ -11,6 +11,7 @@ from dresd.decoding.cache import keep_cache_entries
 from dresd.decoding.generate import target_forward
 from dresd.decoding.tree import DraftTree
 from dresd.drafters import DraftContext, PromptLookupDrafter, make_drafter
+from dresd.kernels import drafting
 from dresd.metrics import GenerationResult, StepRecord, summarize
 
 
@@ -67,8 +68,13 @@ def brute_force_pld(tokens: list[int], max_ngram: int, min_ngram: int, draft_len
     return []
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["C", "numpy"])
 @pytest.mark.parametrize("seed", range(4))
-def test_pld_equals_brute_force_on_random_contexts(seed):
+def test_pld_equals_brute_force_on_random_contexts(seed, compiled, monkeypatch):
+    if compiled and drafting.kernel() is None:
+        pytest.skip("no C compiler: numpy drafts")
+    if not compiled:
+        monkeypatch.setattr(drafting, "kernel", lambda: None)
     rng = np.random.default_rng(seed)
     found = 0
     for trial in range(200):

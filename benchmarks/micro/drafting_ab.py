@@ -87,7 +87,8 @@ def main() -> None:
     values = (getattr(owner, name), getattr(variant_owner, variant_name))
     drafters = (runner().drafter, runner().drafter)
     for drafter in drafters:
-        drafter.clock = lambda: 0.0  # a ledger's verdicts must not depend on the timings
+        if hasattr(drafter, "clock"):  # hybrid: its ledger's verdicts must not hang on timings
+            drafter.clock = lambda: 0.0
     evict = np.ones(64_000_000 // 8)
     seconds = ([], [])
     for number, context in enumerate(contexts):

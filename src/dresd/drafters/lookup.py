@@ -14,6 +14,7 @@ import numpy as np
 
 from dresd.decoding.drafter import Draft, DraftContext, Drafter
 from dresd.errors import UserError
+from dresd.kernels import drafting
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class PromptLookupDrafter(Drafter):
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
+        if drafting.kernel() is not None and len(tokens):  # the same drafts, in one C call
+            return drafting.prompt_lookup(tokens, self.max_ngram, self.min_ngram, draft_len,
+                                          self.num_drafts)
         # The earlier positions e (with a next token) where the context's last token recurs;
         # keep those where the one before also matches, and so on: after j rounds, `ends` are
         # the ends of the earlier (j + 1)-grams equal to the context's last j + 1 tokens. One

@@ -716,3 +716,41 @@ void dresd_dense_key(const void *hidden, int hidden_bf16, int d, const float *we
     float scale = (float)(1.0 / fmax(sqrt(norm), 1e-12));
     for (int j = 0; j < dim; j++) key[j] *= scale;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Prompt lookup (drafters/lookup.py): the drafts after earlier occurrences of the context's end.
+ * ------------------------------------------------------------------------------------------- */
+
+/* For n from min(max_ngram, len - 1) (at least 1) down to min_ngram: the earlier n-grams equal
+ * to the context's last n tokens, each ending at e <= len - 2; the first n with one wins, and
+ * the tokens after each of its matches (most recent first), up to draft_len, are drafts, each
+ * distinct one kept, num_drafts at most. Writes them as rows of draft_len (lengths: each one's);
+ * returns their count. */
+int dresd_prompt_lookup(const int64_t *tokens, int64_t len, int max_ngram, int min_ngram,
+                        int draft_len, int num_drafts, int32_t *drafts, int32_t *lengths) {
+    int64_t longest = len - 1 < max_ngram ? len - 1 : max_ngram;
+    if (longest < 1) longest = 1;
+    for (int64_t n = longest; n >= min_ngram; n--) {
+        int count = 0;
+        for (int64_t end = len - 2; end >= n - 1 && count < num_drafts; end--) {
+            int64_t j = 0;
+            while (j < n && tokens[end - j] == tokens[len - 1 - j]) j++;
+            if (j < n) continue;
+            int64_t length = len - 1 - end < draft_len ? len - 1 - end : draft_len;
+            int seen = 0;
+            for (int d = 0; d < count && !seen; d++) {
+                if (lengths[d] != length) continue;
+                int64_t k = 0;
+                while (k < length && drafts[(int64_t)d * draft_len + k] == tokens[end + 1 + k])
+                    k++;
+                seen = k == length;
+            }
+            if (seen) continue;
+            for (int64_t k = 0; k < length; k++)
+                drafts[(int64_t)count * draft_len + k] = (int32_t)tokens[end + 1 + k];
+            lengths[count++] = (int32_t)length;
+        }
+        if (count > 0) return count;
+    }
+    return 0;
+}

@@ -61,6 +61,8 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_dense_drafts.restype = i32
     library.dresd_dense_key.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer]
     library.dresd_dense_key.restype = None
+    library.dresd_prompt_lookup.argtypes = [pointer, i64, i32, i32, i32, i32, pointer, pointer]
+    library.dresd_prompt_lookup.restype = i32
     return library
 
 
@@ -234,6 +236,20 @@ def dense_key(hidden: torch.Tensor, weight_t: np.ndarray, bias: np.ndarray) -> n
                              weight_t.shape[0], address(weight_t), address(bias),
                              weight_t.shape[1], address(key))
     return key
+
+
+def prompt_lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, draft_len: int,
+                  num_drafts: int) -> list[list[int]]:
+    """`PromptLookupDrafter.propose` over `tokens` (the context, int64) in one call: numpy's
+    path makes ~10 calls over the context, ~3 us each with the caches a forward leaves."""
+    tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+    drafts = np.empty((num_drafts, draft_len), dtype=np.int32)
+    lengths = np.empty(num_drafts, dtype=np.int32)
+    count = kernel().dresd_prompt_lookup(address(tokens), len(tokens), max_ngram, min_ngram,
+                                         draft_len, num_drafts, address(drafts),
+                                         address(lengths))
+    return [row[:length] for row, length in zip(drafts[:count].tolist(),
+                                                lengths[:count].tolist(), strict=True)]
 
 
 def takes_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray) -> bool:
