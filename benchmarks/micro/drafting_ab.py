@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from dresd.bench.methods import parse_methods
 from dresd.datasets import load_prompts
 from dresd.decoding.drafter import DraftContext
 from dresd.models import load_target
@@ -75,11 +76,13 @@ def main() -> None:
     torch.set_num_threads(1)
     target = load_target(args.model, dtype="auto")
     prompts = [encode_prompt(target.tokenizer, p.text) for p in load_prompts("gsm8k", args.limit)]
-    options = {"datastore": args.datastore} if args.datastore else {}
+    [(label, method, options)] = parse_methods(args.method)  # e.g. rest[max_tree_nodes=4]
+    if args.datastore:
+        options = {"datastore": args.datastore, **options}
 
     def runner() -> MethodRunner:
-        return MethodRunner(target, args.method, GenerationSettings(max_new_tokens=128),
-                            **options)
+        return MethodRunner(target, method, GenerationSettings(max_new_tokens=128),
+                            label=label, **options)
 
     contexts = record_contexts(runner(), prompts)
     owner, name = resolve(args.replace)

@@ -161,17 +161,23 @@ class SparseIndex:
         return sum(a.nbytes for a in (self.alphabet, self.symbols, self.suffix_array,
                                       self.doc_starts))
 
-    def to_symbols(self, token_ids: np.ndarray) -> np.ndarray:
-        """Symbols of `token_ids`; ids that never occur in the corpus become -1."""
-        token_ids = np.asarray(token_ids, dtype=np.int64)
+    def symbol_table(self) -> np.ndarray:
+        """int64 [max id + 2]: each token id's symbol, -1 for ids the corpus never has (the
+        last entry, -1, also stands for every id beyond the table)."""
         if self._symbol_of is None:
             # One lookup per id instead of a binary search over the alphabet: a drafting step
             # finds the alphabet evicted from the caches by the verify forward.
             self._symbol_of = np.full(int(self.alphabet.max(initial=-1)) + 2, -1, np.int64)
             self._symbol_of[self.alphabet] = np.arange(1, len(self.alphabet) + 1)
+        return self._symbol_of
+
+    def to_symbols(self, token_ids: np.ndarray) -> np.ndarray:
+        """Symbols of `token_ids`; ids that never occur in the corpus become -1."""
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        table = self.symbol_table()
         # Ids beyond the table (and negative ones) read its last entry, which is -1.
-        inside = np.where((token_ids >= 0) & (token_ids < len(self._symbol_of)), token_ids, -1)
-        return self._symbol_of[inside]
+        inside = np.where((token_ids >= 0) & (token_ids < len(table)), token_ids, -1)
+        return table[inside]
 
     def to_token_ids(self, symbols: np.ndarray) -> np.ndarray:
         """Token ids of non-zero symbols."""

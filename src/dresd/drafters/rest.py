@@ -113,11 +113,10 @@ class RestDrafter(RestOptions, Drafter):
             indexes.append(self.learned.index)
         if len(indexes) == 1 and drafting.kernel() is not None:  # steps 1-5 in one C call
             index = self.index
-            tail = index.to_symbols(context.token_ids[-self.max_suffix :])
-            tail = tail[np.flatnonzero(tail < 0)[-1] + 1 :] if (tail < 0).any() else tail
-            return [index.to_token_ids(d).tolist() for d in drafting.rest_draft(
-                index.symbols, index.suffix_array, tail, self.min_suffix, self.max_matches,
-                draft_len, self.max_tree_nodes)]
+            return drafting.rest_lookup(
+                index.symbols, index.suffix_array, index.symbol_table(), index.alphabet,
+                context.token_ids[-self.max_suffix :], self.min_suffix, self.max_matches,
+                draft_len, self.max_tree_nodes)
         # Steps 1 and 2: the longest suffix with a match in any store, and its matches there.
         found = [longest_match(index, context.token_ids, self.min_suffix, self.max_suffix)
                  for index in indexes]

@@ -717,6 +717,35 @@ void dresd_dense_key(const void *hidden, int hidden_bf16, int d, const float *we
     for (int j = 0; j < dim; j++) key[j] *= scale;
 }
 
+/* `dresd_rest_draft` from token ids to token ids: the context's last `count` ids become
+ * symbols by `symbol_of` (an id outside the table, or without a symbol, is unknown: -1), cut
+ * after the last unknown one; the leaves' symbols become ids again (alphabet[symbol - 1]). */
+int dresd_rest_lookup(const uint8_t *text, int64_t bytes, int width, const void *suffix_array,
+                      int wide, int64_t rows, const int64_t *token_ids, int64_t count,
+                      const int64_t *symbol_of, int64_t table_len, const int64_t *alphabet,
+                      int min_suffix, int max_matches, int draft_len, int max_nodes,
+                      int32_t *leaf_tokens, int32_t *leaf_lengths, int32_t *match_len) {
+    int64_t *tail = malloc(sizeof(int64_t) * (count + 1));
+    if (!tail) return -1;
+    int64_t tail_len = 0;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = token_ids[i];
+        int64_t symbol = id >= 0 && id < table_len ? symbol_of[id] : -1;
+        if (symbol < 0) tail_len = 0;  /* a match cannot hold a token the corpus never has */
+        else tail[tail_len++] = symbol;
+    }
+    int leaves = dresd_rest_draft(text, bytes, width, suffix_array, wide, rows, tail, tail_len,
+                                  min_suffix, max_matches, draft_len, max_nodes, leaf_tokens,
+                                  leaf_lengths, match_len);
+    free(tail);
+    for (int i = 0; i < leaves; i++)
+        for (int j = 0; j < leaf_lengths[i]; j++) {
+            int32_t *at = leaf_tokens + (int64_t)i * draft_len + j;
+            *at = (int32_t)alphabet[*at - 1];
+        }
+    return leaves;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Prompt lookup (drafters/lookup.py): the drafts after earlier occurrences of the context's end.
  * ------------------------------------------------------------------------------------------- */

@@ -53,9 +53,10 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_hybrid_learn.restype = None
     library.dresd_frequent_prefixes.argtypes = [pointer, i64, i64, i32, i32, pointer, pointer]
     library.dresd_frequent_prefixes.restype = i32
-    library.dresd_rest_draft.argtypes = [pointer, i64, i32, pointer, i32, i64, pointer, i64,
-                                         i32, i32, i32, i32, pointer, pointer, pointer]
-    library.dresd_rest_draft.restype = i32
+    library.dresd_rest_lookup.argtypes = [pointer, i64, i32, pointer, i32, i64, pointer, i64,
+                                          pointer, i64, pointer, i32, i32, i32, i32, pointer,
+                                          pointer, pointer]
+    library.dresd_rest_lookup.restype = i32
     library.dresd_dense_drafts.argtypes = [pointer, i32, pointer, i32, pointer, i32, i64,
                                            pointer, i64, i32, i64, i32, pointer]
     library.dresd_dense_drafts.restype = i32
@@ -188,24 +189,27 @@ def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
                                         leaf_depths[:count].tolist(), strict=True)]
 
 
-def rest_draft(symbols: np.ndarray, suffix_array: np.ndarray, tail: np.ndarray,
-               min_suffix: int, max_matches: int, draft_len: int, max_nodes: int
-               ) -> list[np.ndarray]:
-    """REST's lookup in one suffix array (`RestDrafter.propose`, one store): the leaves of the
-    draft tree as symbol arrays, most frequent first. `symbols`: the index's big-endian stream;
-    `tail`: the context's last symbols after its last unknown token."""
-    tail = np.ascontiguousarray(tail, dtype=np.int64)
-    leaf_symbols = np.empty((max_nodes, draft_len), dtype=np.int32)
+def rest_lookup(symbols: np.ndarray, suffix_array: np.ndarray, symbol_of: np.ndarray,
+                alphabet: np.ndarray, token_ids: np.ndarray, min_suffix: int, max_matches: int,
+                draft_len: int, max_nodes: int) -> list[list[int]]:
+    """REST's lookup in one suffix array (`RestDrafter.propose`, one store), token ids in and
+    out: the leaves of the draft tree, most frequent first. `symbols`: the index's big-endian
+    stream; `symbol_of`: its id -> symbol table (`SparseIndex.symbol_table`); `token_ids`: the
+    context's last tokens (the longest suffix looked up at most)."""
+    token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
+    leaf_tokens = np.empty((max_nodes, draft_len), dtype=np.int32)
     leaf_lengths = np.empty(max_nodes, dtype=np.int32)
     match_len = ctypes.c_int32(0)
-    count = kernel().dresd_rest_draft(
+    count = kernel().dresd_rest_lookup(
         address(symbols), symbols.nbytes, symbols.dtype.itemsize, address(suffix_array),
-        int(suffix_array.dtype == np.int64), len(suffix_array), address(tail), len(tail),
-        min_suffix, max_matches, draft_len, max_nodes, address(leaf_symbols),
-        address(leaf_lengths), ctypes.byref(match_len))
+        int(suffix_array.dtype == np.int64), len(suffix_array), address(token_ids),
+        len(token_ids), address(symbol_of), len(symbol_of), address(alphabet), min_suffix,
+        max_matches, draft_len, max_nodes, address(leaf_tokens), address(leaf_lengths),
+        ctypes.byref(match_len))
     if count < 0:
         raise MemoryError("the REST kernel ran out of memory")
-    return [leaf_symbols[i, :n] for i, n in enumerate(leaf_lengths[:count].tolist())]
+    return [row[:length] for row, length in zip(leaf_tokens[:count].tolist(),
+                                                leaf_lengths[:count].tolist(), strict=True)]
 
 
 def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
