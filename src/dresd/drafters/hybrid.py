@@ -322,12 +322,8 @@ class CandidateTree:
 
 
 class CompiledCandidateTree(drafting.HybridTree):
-    """`CandidateTree` in the C kernel's columns, merged and cut in one call (`drafted`), with
-    the same `learn`."""
-
-    def learn(self, emitted: list[int], table: AcceptanceTable) -> Counter:
-        by_bit = self.observe(emitted, table.accepted, table.tried, len(table.names))
-        return Counter({table.names[bit]: n for bit, n in enumerate(by_bit) if n >= 0})
+    """`CandidateTree` in the C kernel's columns: a step's learning from the last tree, its
+    merge and its cut in one call (`drafted`)."""
 
 
 Tree = CandidateTree | CompiledCandidateTree
@@ -511,9 +507,10 @@ class HybridDrafter(HybridOptions, Drafter):
             raise ValueError("hybrid needs the verify-cost curve: pass cost={tokens: steps} or "
                              "call check_target(target) (the runner does), which measures it")
         started = self.clock()
-        continued = self._follows_last_step(context.token_ids)
-        if continued:  # step 4: what the last step emitted scores its candidates
-            self._learn(self.last, context.token_ids[self.last.length :].tolist())
+        # Step 4 (learnt with steps 1-3, in one kernel call): what the last step emitted scores
+        # its candidates.
+        last = self.last if self._follows_last_step(context.token_ids) else None
+        emitted = context.token_ids[last.length :].tolist() if last is not None else []
         self.steps += 1
         skip = (self.ledger.to_skip(self.steps, context.batch_size)
                 if self.skip_sources and self.step_seconds else None)
@@ -525,42 +522,51 @@ class HybridDrafter(HybridOptions, Drafter):
             source_started = self.clock()
             gathered.append((name, source.candidates(context)))
             source_seconds[name] = self.clock() - source_started
-        tree, drafts, verified = self._merge_and_cut(gathered, draft_len)
+        tree, drafts, verified, lost = self._learn_merge_and_cut(last, emitted, gathered,
+                                                                 draft_len)
+        if last is not None:
+            self._record(last, lost, emitted)
         length = len(context.token_ids)
         self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
-                             source_seconds, first=not continued,
+                             source_seconds, first=last is None,
                              batch=(context.batch_size, context.batch_tokens,
                                     context.batch_seconds), verified=verified)
         self.last.seconds = self.clock() - started
         return drafts
 
-    def _merge_and_cut(self, gathered: list[tuple[str, list[Candidate]]], draft_len: int
-                       ) -> tuple[Tree, list[Draft], int]:
-        """Steps 1-3 of the module doc: every source's candidates, cut to `draft_len`, in one
-        trie, and the candidates worth verifying as root paths. Returns (the trie, those
-        paths, how many tree nodes they hold). In C where the kernel is compiled (one call),
-        else a `CandidateTree`."""
+    def _learn_merge_and_cut(self, last: LastStep | None, emitted: list[int],
+                             gathered: list[tuple[str, list[Candidate]]], draft_len: int
+                             ) -> tuple[Tree, list[Draft], int, Counter]:
+        """Step 4 of the module doc for the last step (where `last` is given: it emitted
+        `emitted`), then steps 1-3: every source's candidates, cut to `draft_len`, in one trie,
+        and the candidates worth verifying as root paths. Returns (the trie, those paths, how
+        many tree nodes they hold, per source the accepted tokens `last` lost without it).
+        In one C call where the kernel is compiled, else on a `CandidateTree`."""
         costs, max_nodes = self._budget()
+        table = self.table
         if drafting.kernel() is None:
+            lost = last.tree.learn(emitted, table) if last is not None else Counter()
             tree = CandidateTree()
             for name, candidates in gathered:
                 for candidate in candidates:
                     tree.add(candidate, name, draft_len)
-            return tree, *(tree.cut(self.table, costs, max_nodes) if len(tree) > 1
-                           else ([], 0))
+            drafts, kept = tree.cut(table, costs, max_nodes) if len(tree) > 1 else ([], 0)
+            return tree, drafts, kept, lost
         tokens, offsets, bits, neighbours, shares = [], [0], [], [], []
         for name, candidates in gathered:
-            bit = 1 << self.table.bit(name)
+            bit = 1 << table.bit(name)
             for draft, count, token_shares in candidates:
                 tokens += draft
                 offsets.append(len(tokens))
                 bits.append(bit)
                 neighbours.append(count)
                 shares += [math.nan] * len(draft) if token_shares is None else token_shares
-        table = self.table
-        return CompiledCandidateTree.drafted(
+        tree, drafts, kept, by_bit = CompiledCandidateTree.drafted(
             tokens, offsets, bits, neighbours, shares, draft_len, table.accepted, table.tried,
-            table.priors, table.prior_strength, costs, max_nodes)
+            table.priors, table.prior_strength, costs, max_nodes,
+            None if last is None else last.tree, emitted, len(table.names))
+        return tree, drafts, kept, Counter({table.names[bit]: n for bit, n in enumerate(by_bit)
+                                            if n >= 0})
 
     def _budget(self) -> tuple[np.ndarray, int]:
         """(cost(t) for every tree size it may keep, `cost_table`; the most nodes it keeps)."""
@@ -584,10 +590,9 @@ class HybridDrafter(HybridOptions, Drafter):
                 and token_ids[last.length - len(last.tail) : last.length].tobytes()
                 == last.tail.tobytes())
 
-    def _learn(self, step: LastStep, emitted: list[int]) -> None:
-        """Score a step's candidates against the tokens it emitted (the accepted path, then the
-        bonus token), and its sources' time against what only they found."""
-        lost = step.tree.learn(emitted, self.table)  # source -> accepted tokens lost without it
+    def _record(self, step: LastStep, lost: Counter, emitted: list[int]) -> None:
+        """Weigh a step's sources' time against what only they found (`lost`: source ->
+        accepted tokens lost without it, of the `emitted` ones)."""
         # A generation's first call also reads its prompt (suffix builds the prompt's tree):
         # a cost per generation, not per step, which leaving a source out would not save.
         if self.step_seconds and not step.first:

@@ -387,44 +387,6 @@ int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double 
     return count;
 }
 
-/* A hybrid step's drafting in one call, for the cost of one call from Python: merge the
- * candidates into an empty tree (`dresd_hybrid_merge`), estimate the reach of its nodes
- * (`dresd_hybrid_reach`), cut it (`dresd_hybrid_cut`), and write each kept leaf's path from the
- * root's child down as a row of `max_len` tokens (path_lengths: its length). Scratch: reach
- * (double), order, leaves (int32) and is_parent (uint8), `capacity` entries each; paths
- * max_nodes x max_len. counts[0] = the tree's nodes, counts[1] = the nodes kept. Returns the
- * leaf count, or -1 when the tree is full. */
-int dresd_hybrid_draft(int32_t *tree, int capacity, const int64_t *tokens,
-                       const int64_t *offsets, int candidates, const int32_t *sources,
-                       const int32_t *neighbours, const double *shares, int max_len,
-                       const double *accepted, const double *tried, const double *prior,
-                       double strength, const double *costs, int max_nodes, double *reach,
-                       int32_t *order, uint8_t *is_parent, int32_t *leaves, int32_t *paths,
-                       int32_t *path_lengths, int32_t *counts) {
-    int nodes = dresd_hybrid_merge(tree, capacity, 0, tokens, offsets, candidates, sources,
-                                   neighbours, shares, max_len);
-    if (nodes < 0) return -1;
-    counts[0] = nodes;
-    counts[1] = 0;
-    if (nodes < 2) return 0;
-    dresd_hybrid_reach(tree, capacity, nodes, accepted, tried, prior, strength, reach);
-    int kept = 0;
-    int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order,
-                                 is_parent, leaves, &kept);
-    counts[1] = kept;
-    const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
-    const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
-    const int32_t *depth = COLUMN(tree, capacity, T_DEPTH);
-    for (int i = 0; i < count; i++) {  /* a kept leaf's depth is at most max_len */
-        int32_t *row = paths + (int64_t)i * max_len;
-        int length = depth[leaves[i]];
-        path_lengths[i] = length;
-        for (int node = leaves[i], at = length - 1; node > 0; node = parent[node], at--)
-            row[at] = token[node];
-    }
-    return count;
-}
-
 /* Score the tree's nodes against the tokens the step emitted (the accepted path, then the
  * bonus token): every child of a node on the path is a trial of its cell, accepted if its
  * token came. lost[s] (-1 when none): the accepted tokens lost without source bit s, from the
@@ -453,6 +415,50 @@ void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitte
             if (lost[s] < 0) lost[s] = accepted_tokens - depth;
         }
     }
+}
+
+/* A hybrid step in one call, for the cost of one call from Python: first learn from the last
+ * step (where last_tree is not NULL: `dresd_hybrid_learn` with its emitted tokens, lost[s] per
+ * source bit), then merge this step's candidates into an empty tree (`dresd_hybrid_merge`),
+ * estimate the reach of its nodes (`dresd_hybrid_reach`), cut it (`dresd_hybrid_cut`), and
+ * write each kept leaf's path from the root's child down as a row of `max_len` tokens
+ * (path_lengths: its length). Scratch: reach (double), order, leaves (int32) and is_parent
+ * (uint8), `capacity` entries each; paths max_nodes x max_len. counts[0] = the tree's nodes,
+ * counts[1] = the nodes kept. Returns the leaf count, or -1 when the tree is full. */
+int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_t *emitted,
+                       int emitted_count, int32_t *lost, int num_sources, int32_t *tree,
+                       int capacity, const int64_t *tokens, const int64_t *offsets,
+                       int candidates, const int32_t *sources, const int32_t *neighbours,
+                       const double *shares, int max_len, double *accepted, double *tried,
+                       const double *prior, double strength, const double *costs,
+                       int max_nodes, double *reach, int32_t *order, uint8_t *is_parent,
+                       int32_t *leaves, int32_t *paths, int32_t *path_lengths,
+                       int32_t *counts) {
+    if (last_tree)
+        dresd_hybrid_learn(last_tree, last_capacity, emitted, emitted_count, accepted, tried,
+                           lost, num_sources);
+    int nodes = dresd_hybrid_merge(tree, capacity, 0, tokens, offsets, candidates, sources,
+                                   neighbours, shares, max_len);
+    if (nodes < 0) return -1;
+    counts[0] = nodes;
+    counts[1] = 0;
+    if (nodes < 2) return 0;
+    dresd_hybrid_reach(tree, capacity, nodes, accepted, tried, prior, strength, reach);
+    int kept = 0;
+    int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order,
+                                 is_parent, leaves, &kept);
+    counts[1] = kept;
+    const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
+    const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
+    const int32_t *depth = COLUMN(tree, capacity, T_DEPTH);
+    for (int i = 0; i < count; i++) {  /* a kept leaf's depth is at most max_len */
+        int32_t *row = paths + (int64_t)i * max_len;
+        int length = depth[leaves[i]];
+        path_lengths[i] = length;
+        for (int node = leaves[i], at = length - 1; node > 0; node = parent[node], at--)
+            row[at] = token[node];
+    }
+    return count;
 }
 
 /* ---------------------------------------------------------------------------------------------

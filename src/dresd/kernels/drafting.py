@@ -43,14 +43,12 @@ def kernel() -> ctypes.CDLL | None:
     function.argtypes = [pointer, i64, i32, f64, f64, i32, f64, i32, i32,
                          pointer, pointer, pointer, pointer]
     function.restype = i32
-    library.dresd_hybrid_draft.argtypes = [pointer, i32, pointer, pointer, i32, pointer,
+    library.dresd_hybrid_draft.argtypes = [pointer, i32, pointer, i32, pointer, i32,
+                                           pointer, i32, pointer, pointer, i32, pointer,
                                            pointer, pointer, i32, pointer, pointer, pointer, f64,
                                            pointer, i32, pointer, pointer, pointer, pointer,
                                            pointer, pointer, pointer]
     library.dresd_hybrid_draft.restype = i32
-    library.dresd_hybrid_learn.argtypes = [pointer, i32, pointer, i32, pointer, pointer, pointer,
-                                           i32]
-    library.dresd_hybrid_learn.restype = None
     library.dresd_frequent_prefixes.argtypes = [pointer, i64, i64, i32, i32, pointer, pointer]
     library.dresd_frequent_prefixes.restype = i32
     library.dresd_rest_lookup.argtypes = [pointer, i64, i32, pointer, i32, i64, pointer, i64,
@@ -128,13 +126,19 @@ class HybridTree:
     def drafted(cls, tokens: list[int], offsets: list[int], sources: list[int],
                 neighbours: list[int], shares: list[float], max_len: int,
                 accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray, strength: float,
-                costs: np.ndarray, max_nodes: int) -> tuple[HybridTree, list[list[int]], int]:
-        """Merge candidates and cut the tree, in one kernel call. Candidate c is
-        tokens[offsets[c] : offsets[c + 1]] (cut to `max_len`) with its source's bit, its
-        neighbour count and per-token shares (NaN: none). The cut: reach estimates from the
-        table's arrays (accepted, tried, prior, strength), then of the `max_nodes` most
-        probable nodes the first n maximising (1 + their reach) / costs[n + 1]. Returns (the
-        tree, the kept leaves' paths from the root's child down, most probable first, n)."""
+                costs: np.ndarray, max_nodes: int, last: HybridTree | None = None,
+                emitted: list[int] = (), num_sources: int = 0
+                ) -> tuple[HybridTree, list[list[int]], int, list[int]]:
+        """A hybrid step in one kernel call. First, with `last` (the previous step's tree),
+        its learning: every child of the emitted path's nodes is a trial of its cell in the
+        table's `accepted` and `tried`, accepted if its token came. Then merge candidates:
+        candidate c is tokens[offsets[c] : offsets[c + 1]] (cut to `max_len`) with its
+        source's bit, its neighbour count and per-token shares (NaN: none). Then the cut:
+        reach estimates from the table (accepted, tried, prior, strength), and of the
+        `max_nodes` most probable nodes the first n maximising (1 + their reach) /
+        costs[n + 1]. Returns (the tree, the kept leaves' paths from the root's child down,
+        most probable first, n, per source bit the accepted tokens `last` lost without it
+        (-1: none))."""
         tree = cls.__new__(cls)
         capacity = tree.capacity = len(tokens) + 1
         tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
@@ -142,13 +146,15 @@ class HybridTree:
         # Named, so that each array lives until the call returns (`address` is a number).
         inputs = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
                   np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
-                  np.asarray(shares, np.float64))
+                  np.asarray(shares, np.float64), np.asarray(emitted, np.int64))
         reach, order = np.empty(capacity, np.float64), np.empty(capacity, np.int32)
         is_parent, leaves = np.empty(capacity, np.uint8), np.empty(capacity, np.int32)
         paths, lengths = np.empty((max_nodes, width), np.int32), np.empty(max_nodes, np.int32)
-        counts = np.zeros(2, np.int32)
-        tokens_, offsets_, sources_, neighbours_, shares_ = (address(a) for a in inputs)
+        counts, lost = np.zeros(2, np.int32), np.full(max(num_sources, 1), -1, np.int32)
+        tokens_, offsets_, sources_, neighbours_, shares_, emitted_ = map(address, inputs)
         count = kernel().dresd_hybrid_draft(
+            None if last is None else address(last.block), 0 if last is None else last.capacity,
+            emitted_, len(emitted), address(lost), num_sources,
             address(tree.block), capacity, tokens_, offsets_, len(offsets) - 1, sources_,
             neighbours_, shares_, max_len, address(accepted), address(tried), address(prior),
             strength, address(costs), max_nodes, address(reach), address(order),
@@ -157,19 +163,7 @@ class HybridTree:
         tree.nodes, kept = counts.tolist()
         drafts = [row[:length] for row, length in zip(paths[:count].tolist(),
                                                       lengths[:count].tolist(), strict=True)]
-        return tree, drafts, kept
-
-    def observe(self, emitted: list[int], accepted: np.ndarray, tried: np.ndarray,
-                num_sources: int) -> list[int]:
-        """Count every child of the emitted path's nodes as a trial of its cell (accepted if its
-        token came); per source bit, the accepted tokens lost without it (-1: none)."""
-        lost = np.empty(max(num_sources, 1), dtype=np.int32)
-        tokens = np.asarray(emitted, np.int64)  # named: alive until the call returns
-        kernel().dresd_hybrid_learn(address(self.block), self.capacity,
-                                    address(tokens), len(emitted),
-                                    address(accepted), address(tried), address(lost),
-                                    num_sources)
-        return lost[:num_sources].tolist()
+        return tree, drafts, kept, lost[:num_sources].tolist()
 
 
 def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
