@@ -20,6 +20,7 @@ from dresd.datastore import dense
 from dresd.datastore.format import AtomicBuild, DatastoreError, partial_dir, read_manifest
 from dresd.datastore.inspect import describe
 from dresd.drafters import DenseDrafter, DraftContext
+from dresd.drafters.dense import agreeing_prefixes, unpadded
 from dresd.kernels import drafting
 from dresd.models import Target
 from dresd.regenerate import RegenerateConfig, regenerate
@@ -364,3 +365,19 @@ def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeyp
             assert outputs[0] == outputs[1]
             compared += len(outputs[0][0])
     assert compared > 100
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")
+def test_agreeing_prefixes_in_c_are_the_pythons():
+    """On random padded rows over a small vocabulary (repeats, shared prefixes, empty drafts):
+    the same candidates, counts and order as `agreeing_prefixes` on the unpadded drafts."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        width = int(rng.integers(1, 6))
+        lengths = rng.integers(0, width + 1, int(rng.integers(0, 30)))
+        rows = np.zeros((len(lengths), width), dtype=np.int32)
+        for row, length in zip(rows, lengths, strict=True):
+            row[:length] = rng.integers(1, 2 + trial % 4, length)
+        expected = list(agreeing_prefixes(unpadded(rows)).items())
+        got = drafting.agreeing_prefixes(rows.copy())
+        assert [(tuple(draft), count) for draft, count in got] == expected

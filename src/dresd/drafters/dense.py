@@ -229,9 +229,10 @@ class DenseDrafter(DenseOptions, Drafter):
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
-        neighbours = self.neighbour_drafts(context, draft_len)
-        return [Candidate(list(draft), neighbours=count)
-                for draft, count in agreeing_prefixes(neighbours).items()]
+        rows = self.neighbour_rows(context, draft_len)
+        found = (drafting.agreeing_prefixes(rows) if isinstance(rows, np.ndarray)  # in C
+                 else agreeing_prefixes(rows).items())
+        return [Candidate(list(draft), neighbours=count) for draft, count in found]
 
     def _learned_neighbours(self, state: torch.Tensor, bonus: int, draft_len: int
                             ) -> list[list[int]]:

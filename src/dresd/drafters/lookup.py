@@ -4,6 +4,9 @@ For n from `max_ngram` down to `min_ngram`, the last n tokens of the context are
 earlier in the context (prompt and output so far). The first n with a match wins; the tokens
 after each match, up to `draft_len`, are drafts. The most recent matches come first, and up to
 `num_drafts` distinct continuations are returned.
+
+The lookup runs in one C call where the drafting kernel compiles (`kernels/drafting.py`), else
+in numpy below; both draft the same, as the tests check against a brute force.
 """
 
 from __future__ import annotations

@@ -723,6 +723,56 @@ void dresd_dense_key(const void *hidden, int hidden_bf16, int d, const float *we
     for (int j = 0; j < dim; j++) key[j] *= scale;
 }
 
+/* DReSD's candidates for hybrid (`dense.agreeing_prefixes`): `rows` are the kept neighbours'
+ * drafts in rank order, m rows of `width` token ids + 1 followed by zeros. Each distinct draft
+ * with its count, cut where no other draft follows it: one token past the longest prefix it
+ * shares with another, in lexicographic order; the nearest neighbour's draft (row 0) and
+ * repeated drafts stay whole. Sorts `rows` in place and writes the candidates over its first
+ * rows as token ids (lengths, counts: each one's); returns how many. */
+int dresd_agreeing_prefixes(int32_t *rows, int64_t m, int64_t width, int32_t *lengths,
+                            int32_t *counts) {
+    if (m == 0) return 0;
+    int32_t *nearest = malloc(sizeof(int32_t) * width);
+    if (!nearest) return -1;
+    memcpy(nearest, rows, sizeof(int32_t) * width);
+    row_width = width;
+    qsort(rows, m, sizeof(int32_t) * width, by_row);
+    /* distinct rows to the front, each with its count and whether it is the nearest's */
+    int64_t groups = 0;
+    int near_group = -1;
+    for (int64_t r = 0; r < m; r++) {
+        int32_t *row = rows + r * width;
+        if (groups > 0 && !memcmp(row, rows + (groups - 1) * width, sizeof(int32_t) * width)) {
+            counts[groups - 1]++;
+            continue;
+        }
+        if (r != groups) memcpy(rows + groups * width, row, sizeof(int32_t) * width);
+        int64_t length = 0;
+        while (length < width && row[length]) length++;
+        lengths[groups] = (int32_t)length;
+        counts[groups] = 1;
+        if (!memcmp(row, nearest, sizeof(int32_t) * width)) near_group = (int)groups;
+        groups++;
+    }
+    free(nearest);
+    /* shared[g]: the longest common prefix of groups g and g + 1 */
+    int32_t previous = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t *row = rows + g * width, next = 0;
+        if (g + 1 < groups) {
+            int32_t *other = rows + (g + 1) * width;
+            int32_t limit = lengths[g] < lengths[g + 1] ? lengths[g] : lengths[g + 1];
+            while (next < limit && row[next] == other[next]) next++;
+        }
+        int32_t cut = (previous > next ? previous : next) + 1;
+        int whole = groups < 2 || counts[g] > 1 || g == near_group;
+        if (!whole && cut < lengths[g]) lengths[g] = cut;
+        for (int32_t j = 0; j < lengths[g]; j++) row[j] -= 1;  /* ids + 1 -> ids */
+        previous = next;
+    }
+    return (int)groups;
+}
+
 /* `dresd_rest_draft` from token ids to token ids: the context's last `count` ids become
  * symbols by `symbol_of` (an id outside the table, or without a symbol, is unknown: -1), cut
  * after the last unknown one; the leaves' symbols become ids again (alphabet[symbol - 1]). */

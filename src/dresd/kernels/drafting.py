@@ -1,18 +1,21 @@
-"""Drafting in C (`kernels/drafting.c`): the suffix drafter's tree over the request's own tokens,
-hybrid's candidate tree (merge, reach estimates, cut, learning), the most frequent prefixes of
-many continuations (REST, DReSD with a node budget), REST's whole lookup and DReSD's drafts
-from its searched neighbours.
+"""Drafting in C (`kernels/drafting.c`): PLD's lookup, the suffix drafter's tree over the
+request's own tokens, REST's whole lookup, DReSD's key, its drafts from the searched
+neighbours and their agreeing prefixes, the most frequent prefixes of many continuations (REST,
+DReSD with a node budget), and hybrid's step: learning from the last tree, merge, reach
+estimates and cut, in one call.
 
 Why: drafting runs between two verify forwards, on the critical path, and the forward got fast
-(~8 ms a step for the default model on one core). The suffix drafter kept a per-request suffix
-trie of Python nodes, D nodes touched for every token of the context (~60 us a token); the
-kernel reads the context itself in one pass and grows the same tree, so a step costs what its
-matches cost, whatever the drafter skipped before (`benchmarks/results/drafter_profile/`).
-Hybrid merged and scored its candidates one Python object per node; here they are columns of
-one int32 block, and its acceptance table three arrays indexed by cell.
+(~8 ms a step for the default model on one core). The forward leaves every cache cold, and
+there a numpy call on a few numbers costs ~3 us, a call into C ~8 us, whatever the work: so each
+drafter's step is a few calls here, token ids in and out, rather than numpy over the context.
+The suffix drafter kept a per-request suffix trie of Python nodes, D nodes touched for every
+token of the context (~60 us a token); the kernel reads the context itself in one pass and grows
+the same tree. Hybrid merged and scored its candidates one Python object per node; here they are
+columns of one int32 block, and its acceptance table three arrays indexed by cell. What each
+piece saved: `benchmarks/results/drafter_profile/` and `benchmarks/results/drafting_ab.md`.
 
 Portable C (no instruction-set flags): where there is no compiler, or `DRESD_C_DRAFTING=0`,
-`kernel()` is None and the Python trie and `CandidateTree` draft the same trees.
+`kernel()` is None and the Python versions draft the same trees, as the tests check.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_dense_key.restype = None
     library.dresd_prompt_lookup.argtypes = [pointer, i64, i32, i32, i32, i32, pointer, pointer]
     library.dresd_prompt_lookup.restype = i32
+    library.dresd_agreeing_prefixes.argtypes = [pointer, i64, i64, pointer, pointer]
+    library.dresd_agreeing_prefixes.restype = i32
     return library
 
 
@@ -219,6 +224,20 @@ def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
         address(stream), stream.dtype.itemsize, len(stream), address(doc_starts),
         len(doc_starts) - 1, value_len, bonus, draft_len, address(rows))
     return rows[:kept]
+
+
+def agreeing_prefixes(rows: np.ndarray) -> list[tuple[list[int], int]]:
+    """`dense.agreeing_prefixes` of the kernel's padded rows (`dense_drafts`: token ids + 1
+    followed by zeros, int32 C-contiguous, rank order), as (draft, count) pairs in its order.
+    Sorts `rows` in place."""
+    lengths = np.empty(len(rows), dtype=np.int32)
+    counts = np.empty(len(rows), dtype=np.int32)
+    found = kernel().dresd_agreeing_prefixes(address(rows), rows.shape[0], rows.shape[1],
+                                             address(lengths), address(counts))
+    if found < 0:
+        raise MemoryError("the DReSD candidates kernel ran out of memory")
+    return [(row[:length], count) for row, length, count in zip(
+        rows[:found].tolist(), lengths[:found].tolist(), counts[:found].tolist(), strict=True)]
 
 
 def dense_key(hidden: torch.Tensor, weight_t: np.ndarray, bias: np.ndarray) -> np.ndarray:
