@@ -432,10 +432,13 @@ class DenseDatastore:
     def check_compatible(self, target: Target) -> None:
         check_compatible(self.manifest, target)
 
-    def search(self, state: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
-        """Entry ids of the k nearest keys to hidden state `state` [d], best first."""
+    def search(self, state: torch.Tensor | np.ndarray, k: int, padded: bool = False
+               ) -> np.ndarray:
+        """Entry ids of the k nearest keys to hidden state `state` [d], best first; `padded`:
+        as the index gives them, -1 after the last where it finds fewer than k (the C drafts
+        skip those, and a step saves the numpy calls that drop them)."""
         _, ids = self.index.search(self.transform.key(state)[None, :], k)
-        return ids[0][ids[0] >= 0]
+        return ids[0] if padded else ids[0][ids[0] >= 0]
 
     def value_bounds(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(start, end) in the stream of each entry's value: the up to `value_len` tokens after

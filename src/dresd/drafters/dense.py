@@ -198,10 +198,11 @@ class DenseDrafter(DenseOptions, Drafter):
         if self.learned is not None and self.learned.index is not None:
             return self._learned_neighbours(context.hidden_state, bonus, draft_len)
         store = self.store
-        ids = store.search(context.hidden_state, self.k)
-        if self._store_in_c:
+        if self._store_in_c:  # it skips the index's -1 padding itself
+            ids = store.search(context.hidden_state, self.k, padded=True)
             return drafting.dense_drafts(ids, store.offsets, store.stream, store.doc_starts,
                                          store.value_len, bonus, draft_len)
+        ids = store.search(context.hidden_state, self.k)
         if len(ids) == 0:
             return []
         start, end = store.value_bounds(ids)
