@@ -281,9 +281,9 @@ static int first_child(const int32_t *tree, int capacity, int node) {
  * tokens[offsets[c] .. offsets[c + 1]), cut to max_len, from the source of bit sources[c], with
  * neighbours[c] neighbours and per-token count shares (NaN: none). Returns the node count, or
  * -1 when the tree is full. */
-int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *tokens,
-                       const int64_t *offsets, int candidates, const int32_t *sources,
-                       const int32_t *neighbours, const double *shares, int max_len) {
+static int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *tokens,
+                              const int64_t *offsets, int candidates, const int64_t *sources,
+                              const int64_t *neighbours, const double *shares, int max_len) {
     int32_t *token = COLUMN(tree, capacity, T_TOKEN), *parent = COLUMN(tree, capacity, T_PARENT);
     int32_t *depth = COLUMN(tree, capacity, T_DEPTH), *mask = COLUMN(tree, capacity, T_SOURCES);
     int32_t *support = COLUMN(tree, capacity, T_SUPPORT);
@@ -299,7 +299,7 @@ int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *to
     for (int c = 0; c < candidates; c++) {
         int64_t length = offsets[c + 1] - offsets[c];
         if (max_len >= 0 && length > max_len) length = max_len;
-        int vote = neighbours[c] > 1 ? neighbours[c] : 1;
+        int32_t vote = neighbours[c] > 1 ? (int32_t)neighbours[c] : 1;
         int node = 0;
         for (int64_t position = 0; position < length; position++) {
             int32_t t = (int32_t)tokens[offsets[c] + position];
@@ -314,8 +314,8 @@ int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *to
                 if (last[node] >= 0) next[last[node]] = child; else first[node] = child;
                 last[node] = child;
             }
-            mask[child] |= sources[c];
-            support[child] += neighbours[c];
+            mask[child] |= (int32_t)sources[c];
+            support[child] += (int32_t)neighbours[c];
             votes[child] += vote;
             double s = shares[offsets[c] + position];
             if (s == s) {  /* not NaN */
@@ -330,9 +330,9 @@ int dresd_hybrid_merge(int32_t *tree, int capacity, int nodes, const int64_t *to
 
 /* reach[v] = P(verification reaches v), from the table's p(cell) = (accepted + strength *
  * prior) / (tried + strength); siblings scaled to sum to at most 1. */
-void dresd_hybrid_reach(const int32_t *tree, int capacity, int nodes, const double *accepted,
-                        const double *tried, const double *prior, double strength,
-                        double *reach) {
+static void dresd_hybrid_reach(const int32_t *tree, int capacity, int nodes,
+                               const double *accepted, const double *tried,
+                               const double *prior, double strength, double *reach) {
     const int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
     reach[0] = 1.0;
     for (int node = 0; node < nodes; node++) {  /* parents come before children */
@@ -362,9 +362,9 @@ static int by_reach(const void *a, const void *b) {
  * (1 + their reach summed) / costs[n + 1] are kept (n = 0: nothing). Writes the kept nodes'
  * leaves, most probable first, to leaves; returns the leaf count and sets *kept_out = n.
  * order and is_parent: scratch of `nodes` entries. */
-int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double *reach,
-                     const double *costs, int max_nodes, int32_t *order, uint8_t *is_parent,
-                     int32_t *leaves, int *kept_out) {
+static int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double *reach,
+                            const double *costs, int max_nodes, int32_t *order,
+                            uint8_t *is_parent, int32_t *leaves, int *kept_out) {
     for (int v = 1; v < nodes; v++) order[v - 1] = v;
     sort_reach = reach;
     qsort(order, nodes - 1, sizeof(int32_t), by_reach);
@@ -391,8 +391,9 @@ int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double 
  * bonus token): every child of a node on the path is a trial of its cell, accepted if its
  * token came. lost[s] (-1 when none): the accepted tokens lost without source bit s, from the
  * first accepted node it alone proposed on. */
-void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitted, int count,
-                        double *accepted, double *tried, int32_t *lost, int sources) {
+static void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitted,
+                               int count, double *accepted, double *tried, int32_t *lost,
+                               int sources) {
     const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
     const int32_t *mask = COLUMN(tree, capacity, T_SOURCES);
     const int32_t *next = COLUMN(tree, capacity, T_NEXT_SIBLING);
@@ -428,7 +429,7 @@ void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t *emitte
 int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_t *emitted,
                        int emitted_count, int32_t *lost, int num_sources, int32_t *tree,
                        int capacity, const int64_t *tokens, const int64_t *offsets,
-                       int candidates, const int32_t *sources, const int32_t *neighbours,
+                       int candidates, const int64_t *sources, const int64_t *neighbours,
                        const double *shares, int max_len, double *accepted, double *tried,
                        const double *prior, double strength, const double *costs,
                        int max_nodes, double *reach, int32_t *order, uint8_t *is_parent,

@@ -150,7 +150,7 @@ class HybridTree:
         width = max(max_len, 1)
         # Named, so that each array lives until the call returns (`address` is a number).
         inputs = (np.asarray(tokens, np.int64), np.asarray(offsets, np.int64),
-                  np.asarray(sources, np.int32), np.asarray(neighbours, np.int32),
+                  np.asarray(sources, np.int64), np.asarray(neighbours, np.int64),
                   np.asarray(shares, np.float64), np.asarray(emitted, np.int64))
         reach, order = np.empty(capacity, np.float64), np.empty(capacity, np.int32)
         is_parent, leaves = np.empty(capacity, np.uint8), np.empty(capacity, np.int32)
