@@ -606,10 +606,11 @@ static void match_rows(const SuffixArray *s, const int64_t *symbols, int64_t n, 
  * draft_len ..], leaf_lengths[i] of them). `tail`: the context's last symbols, none unknown
  * (the caller cuts at the last unknown one). Returns the leaf count, -1 when out of memory;
  * *match_len = n (0: no match). */
-int dresd_rest_draft(const uint8_t *text, int64_t bytes, int width, const void *suffix_array,
-                     int wide, int64_t rows, const int64_t *tail, int64_t tail_len,
-                     int min_suffix, int max_matches, int draft_len, int max_nodes,
-                     int32_t *leaf_symbols, int32_t *leaf_lengths, int32_t *match_len) {
+static int dresd_rest_draft(const uint8_t *text, int64_t bytes, int width,
+                            const void *suffix_array, int wide, int64_t rows,
+                            const int64_t *tail, int64_t tail_len, int min_suffix,
+                            int max_matches, int draft_len, int max_nodes,
+                            int32_t *leaf_symbols, int32_t *leaf_lengths, int32_t *match_len) {
     SuffixArray s = {text, bytes, rows, width, suffix_array, wide};
     *match_len = 0;
     uint8_t *pattern = malloc((tail_len + 1) * width + 1);

@@ -82,6 +82,13 @@ def address(array: np.ndarray) -> int:
     return array.ctypes.data
 
 
+def cut_rows(rows: np.ndarray, lengths: np.ndarray, count: int) -> list[list[int]]:
+    """A kernel's output rows [>= count, width] as lists: the first `count`, each cut to its
+    length."""
+    return [row[:length] for row, length in zip(rows[:count].tolist(),
+                                                lengths[:count].tolist(), strict=True)]
+
+
 class ContextTree(NamedTuple):
     """A speculation tree: tokens[i] below parents[i] (-1: below the match), its probs."""
 
@@ -166,9 +173,7 @@ class HybridTree:
             address(is_parent), address(leaves), address(paths), address(lengths),
             address(counts))
         tree.nodes, kept = counts.tolist()
-        drafts = [row[:length] for row, length in zip(paths[:count].tolist(),
-                                                      lengths[:count].tolist(), strict=True)]
-        return tree, drafts, kept, lost[:num_sources].tolist()
+        return tree, cut_rows(paths, lengths, count), kept, lost[:num_sources].tolist()
 
 
 def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
@@ -207,8 +212,7 @@ def rest_lookup(symbols: np.ndarray, suffix_array: np.ndarray, symbol_of: np.nda
         ctypes.byref(match_len))
     if count < 0:
         raise MemoryError("the REST kernel ran out of memory")
-    return [row[:length] for row, length in zip(leaf_tokens[:count].tolist(),
-                                                leaf_lengths[:count].tolist(), strict=True)]
+    return cut_rows(leaf_tokens, leaf_lengths, count)
 
 
 def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
@@ -236,8 +240,7 @@ def agreeing_prefixes(rows: np.ndarray) -> list[tuple[list[int], int]]:
                                              address(lengths), address(counts))
     if found < 0:
         raise MemoryError("the DReSD candidates kernel ran out of memory")
-    return [(row[:length], count) for row, length, count in zip(
-        rows[:found].tolist(), lengths[:found].tolist(), counts[:found].tolist(), strict=True)]
+    return list(zip(cut_rows(rows, lengths, found), counts[:found].tolist(), strict=True))
 
 
 def dense_key(hidden: torch.Tensor, weight_t: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -265,8 +268,7 @@ def prompt_lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, draft_len:
     count = kernel().dresd_prompt_lookup(address(tokens), len(tokens), max_ngram, min_ngram,
                                          draft_len, num_drafts, address(drafts),
                                          address(lengths))
-    return [row[:length] for row, length in zip(drafts[:count].tolist(),
-                                                lengths[:count].tolist(), strict=True)]
+    return cut_rows(drafts, lengths, count)
 
 
 def takes_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray) -> bool:
