@@ -65,7 +65,7 @@ import torch
 from dresd.datastore.dense import DenseDatastore
 from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.learned import LearnedDenseStore
-from dresd.drafters.prefixes import padded_prefix_tree, prefix_tree_drafts
+from dresd.drafters.prefixes import padded_prefix_tree
 from dresd.errors import UserError
 from dresd.kernels import drafting
 from dresd.models import Target
@@ -110,8 +110,8 @@ def agreeing_prefixes(neighbours: list[list[int]]) -> dict[tuple[int, ...], int]
 
 
 def distinct_padded(rows: np.ndarray, num_drafts: int) -> list[Draft]:
-    """`distinct_drafts` of rows of token ids + 1 followed by zeros (the kernel's), converting
-    only the rows it keeps: the first few of up to k."""
+    """`distinct_drafts` of rows of token ids + 1 followed by zeros (`neighbour_rows`),
+    converting only the rows it keeps: the first few of up to k."""
     drafts: list[Draft] = []
     seen: set[tuple[int, ...]] = set()
     for row in rows.tolist():
@@ -128,6 +128,15 @@ def unpadded(rows: np.ndarray) -> list[list[int]]:
     """Rows of token ids + 1 followed by zeros, as token-id lists."""
     lengths = np.count_nonzero(rows, axis=1).tolist()
     return [row[:n] for row, n in zip((rows - 1).tolist(), lengths, strict=True)]
+
+
+def padded(drafts: list[list[int]], width: int) -> np.ndarray:
+    """`unpadded`'s inverse: int32 [len(drafts), width] rows of token ids + 1, then zeros (the
+    rows the C kernel slices from the store, so that every path drafts from one form)."""
+    rows = np.zeros((len(drafts), width), dtype=np.int32)
+    for row, draft in zip(rows, drafts, strict=True):
+        row[: len(draft)] = np.asarray(draft, dtype=np.int32) + 1
+    return rows
 
 
 @dataclass(frozen=True)
@@ -187,29 +196,27 @@ class DenseDrafter(DenseOptions, Drafter):
         """Every kept neighbour's draft, in rank order, repeats included: the entries (of the
         datastore, and of the learned store with `learn`) whose stored first token is the bonus
         token, and the `draft_len` tokens after it."""
-        rows = self.neighbour_rows(context, draft_len)
-        return unpadded(rows) if isinstance(rows, np.ndarray) else rows
+        return unpadded(self.neighbour_rows(context, draft_len))
 
-    def neighbour_rows(self, context: DraftContext, draft_len: int
-                       ) -> np.ndarray | list[list[int]]:
-        """`neighbour_drafts`, as the C kernel gives them where it reads the store (rows of
-        token ids + 1 followed by zeros, int32 [kept, draft_len]), else as lists."""
+    def neighbour_rows(self, context: DraftContext, draft_len: int) -> np.ndarray:
+        """`neighbour_drafts` as rows of token ids + 1 followed by zeros, int32 [kept,
+        draft_len]: sliced from the store by the C kernel where it reads the store, else here."""
         bonus = int(context.token_ids[-1])
         if self.learned is not None and self.learned.index is not None:
-            return self._learned_neighbours(context.hidden_state, bonus, draft_len)
+            return padded(self._learned_neighbours(context.hidden_state, bonus, draft_len),
+                          draft_len)
         store = self.store
         if self._store_in_c:  # it skips the index's -1 padding itself
             ids = store.search(context.hidden_state, self.k, padded=True)
             return drafting.dense_drafts(ids, store.offsets, store.stream, store.doc_starts,
                                          store.value_len, bonus, draft_len)
         ids = store.search(context.hidden_state, self.k)
-        if len(ids) == 0:
-            return []
         start, end = store.value_bounds(ids)
         stream = store.stream
         firsts = stream[start].astype(np.int64)
         kept = zip(start[firsts == bonus] + 1, end[firsts == bonus], strict=True)
-        return [stream[begin : min(stop, begin + draft_len)].tolist() for begin, stop in kept]
+        return padded([stream[begin : min(stop, begin + draft_len)].tolist()
+                       for begin, stop in kept], draft_len)
 
     def propose(self, context: DraftContext) -> list[Draft]:
         draft_len = min(self.draft_len, context.max_draft_len)
@@ -217,12 +224,8 @@ class DenseDrafter(DenseOptions, Drafter):
             return []
         rows = self.neighbour_rows(context, draft_len)
         if self.max_tree_nodes is not None:
-            if isinstance(rows, np.ndarray):  # ranked in C from the rows as they are
-                return padded_prefix_tree(rows, self.max_tree_nodes)
-            return prefix_tree_drafts(rows, self.max_tree_nodes)
-        if isinstance(rows, np.ndarray):
-            return distinct_padded(rows, self.num_drafts)
-        return distinct_drafts(rows, self.num_drafts)
+            return padded_prefix_tree(rows, self.max_tree_nodes)
+        return distinct_padded(rows, self.num_drafts)
 
     def candidates(self, context: DraftContext) -> list[Candidate]:
         """Every kept neighbour's draft, with the number of neighbours that propose it; drafts
@@ -231,8 +234,8 @@ class DenseDrafter(DenseOptions, Drafter):
         if draft_len < 1:
             return []
         rows = self.neighbour_rows(context, draft_len)
-        found = (drafting.agreeing_prefixes(rows) if isinstance(rows, np.ndarray)  # in C
-                 else agreeing_prefixes(rows).items())
+        found = (drafting.agreeing_prefixes(rows) if drafting.kernel() is not None
+                 else agreeing_prefixes(unpadded(rows)).items())
         return [Candidate(list(draft), neighbours=count) for draft, count in found]
 
     def _learned_neighbours(self, state: torch.Tensor, bonus: int, draft_len: int
