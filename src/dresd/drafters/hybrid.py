@@ -321,12 +321,9 @@ class CandidateTree:
         return lost
 
 
-class CompiledCandidateTree(drafting.HybridTree):
-    """`CandidateTree` in the C kernel's columns: a step's learning from the last tree, its
-    merge and its cut in one call (`drafted`)."""
-
-
-Tree = CandidateTree | CompiledCandidateTree
+# A step's tree: `CandidateTree`, or where the kernel compiles the same trie in its columns,
+# learnt from, merged and cut in one call (`drafting.HybridTree.drafted`).
+Tree = CandidateTree | drafting.HybridTree
 
 
 @dataclass
@@ -561,7 +558,7 @@ class HybridDrafter(HybridOptions, Drafter):
                 bits.append(bit)
                 neighbours.append(count)
                 shares += [math.nan] * len(draft) if token_shares is None else token_shares
-        tree, drafts, kept, by_bit = CompiledCandidateTree.drafted(
+        tree, drafts, kept, by_bit = drafting.HybridTree.drafted(
             tokens, offsets, bits, neighbours, shares, draft_len, table.accepted, table.tried,
             table.priors, table.prior_strength, costs, max_nodes,
             None if last is None else last.tree, emitted, len(table.names))
