@@ -175,8 +175,9 @@ class DenseDrafter(DenseOptions, Drafter):
         opened = isinstance(self.datastore, DenseDatastore)
         self.store = self.datastore if opened else DenseDatastore(self.datastore)
         self.learned = None
-        store = self.store  # whether the C kernel reads its drafts (checked once, not a step)
-        self._store_in_c = drafting.takes_store(store.offsets, store.stream, store.doc_starts)
+        store = self.store  # as the C kernel reads its drafts (None: it cannot), once
+        self._store_in_c = drafting.dense_store(store.offsets, store.stream, store.doc_starts,
+                                                store.value_len)
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
@@ -206,10 +207,9 @@ class DenseDrafter(DenseOptions, Drafter):
             return padded(self._learned_neighbours(context.hidden_state, bonus, draft_len),
                           draft_len)
         store = self.store
-        if self._store_in_c:  # it skips the index's -1 padding itself
+        if self._store_in_c is not None:  # it skips the index's -1 padding itself
             ids = store.search(context.hidden_state, self.k, padded=True)
-            return drafting.dense_drafts(ids, store.offsets, store.stream, store.doc_starts,
-                                         store.value_len, bonus, draft_len)
+            return drafting.dense_drafts(ids, self._store_in_c, bonus, draft_len)
         ids = store.search(context.hidden_state, self.k)
         start, end = store.value_bounds(ids)
         stream = store.stream

@@ -91,6 +91,10 @@ class RestDrafter(RestOptions, Drafter):
             self.index, self.manifest = open_sparse_datastore(self.datastore)
         self.learned = (LearnedSparseStore(self.max_cached_requests, self.max_cached_tokens)
                         if self.learn else None)
+        index = self.index  # as the C kernel reads it (None: no kernel), once
+        self._index_in_c = (drafting.rest_index(index.symbols, index.suffix_array,
+                                                index.symbol_table(), index.alphabet)
+                            if drafting.kernel() is not None else None)
 
     def check_target(self, target: Target) -> None:
         """Refuse a target whose tokenizer did not build the datastore (the runner calls this)."""
@@ -111,12 +115,10 @@ class RestDrafter(RestOptions, Drafter):
         indexes: list[SparseIndex] = [self.index]
         if self.learned is not None and self.learned.index is not None:
             indexes.append(self.learned.index)
-        if len(indexes) == 1 and drafting.kernel() is not None:  # steps 1-5 in one C call
-            index = self.index
-            return drafting.rest_lookup(
-                index.symbols, index.suffix_array, index.symbol_table(), index.alphabet,
-                context.token_ids[-self.max_suffix :], self.min_suffix, self.max_matches,
-                draft_len, self.max_tree_nodes)
+        if len(indexes) == 1 and self._index_in_c is not None:  # steps 1-5 in one C call
+            return drafting.rest_lookup(self._index_in_c, context.token_ids[-self.max_suffix :],
+                                        self.min_suffix, self.max_matches, draft_len,
+                                        self.max_tree_nodes)
         # Steps 1 and 2: the longest suffix with a match in any store, and its matches there.
         found = [longest_match(index, context.token_ids, self.min_suffix, self.max_suffix)
                  for index in indexes]

@@ -193,40 +193,86 @@ def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
                                         leaf_depths[:count].tolist(), strict=True)]
 
 
-def rest_lookup(symbols: np.ndarray, suffix_array: np.ndarray, symbol_of: np.ndarray,
-                alphabet: np.ndarray, token_ids: np.ndarray, min_suffix: int, max_matches: int,
+class RestIndex(NamedTuple):
+    """A suffix array's arrays as `rest_lookup` reads them: their addresses, taken once
+    (`rest_index`). A memory map's address costs ~3 us (~11 with the caches a forward leaves),
+    every step, where an int costs nothing; the owner keeps the arrays alive."""
+
+    symbols: int  # the index's big-endian symbol stream
+    symbols_bytes: int
+    symbol_width: int  # bytes a symbol
+    suffix_array: int
+    suffix_array_wide: int  # 1: int64, 0: int32
+    suffixes: int
+    symbol_of: int  # token id -> symbol (`SparseIndex.symbol_table`)
+    table_len: int
+    alphabet: int
+
+
+def rest_index(symbols: np.ndarray, suffix_array: np.ndarray, symbol_of: np.ndarray,
+               alphabet: np.ndarray) -> RestIndex:
+    """`symbols`: the index's big-endian stream; `symbol_of`: its id -> symbol table."""
+    return RestIndex(address(symbols), symbols.nbytes, symbols.dtype.itemsize,
+                     address(suffix_array), int(suffix_array.dtype == np.int64),
+                     len(suffix_array), address(symbol_of), len(symbol_of), address(alphabet))
+
+
+def rest_lookup(index: RestIndex, token_ids: np.ndarray, min_suffix: int, max_matches: int,
                 draft_len: int, max_nodes: int) -> list[list[int]]:
     """REST's lookup in one suffix array (`RestDrafter.propose`, one store), token ids in and
-    out: the leaves of the draft tree, most frequent first. `symbols`: the index's big-endian
-    stream; `symbol_of`: its id -> symbol table (`SparseIndex.symbol_table`); `token_ids`: the
-    context's last tokens (the longest suffix looked up at most)."""
+    out: the leaves of the draft tree, most frequent first. `token_ids`: the context's last
+    tokens (the longest suffix looked up at most)."""
     token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     leaf_tokens = np.empty((max_nodes, draft_len), dtype=np.int32)
     leaf_lengths = np.empty(max_nodes, dtype=np.int32)
     match_len = ctypes.c_int32(0)
     count = kernel().dresd_rest_lookup(
-        address(symbols), symbols.nbytes, symbols.dtype.itemsize, address(suffix_array),
-        int(suffix_array.dtype == np.int64), len(suffix_array), address(token_ids),
-        len(token_ids), address(symbol_of), len(symbol_of), address(alphabet), min_suffix,
-        max_matches, draft_len, max_nodes, address(leaf_tokens), address(leaf_lengths),
-        ctypes.byref(match_len))
+        index.symbols, index.symbols_bytes, index.symbol_width, index.suffix_array,
+        index.suffix_array_wide, index.suffixes, address(token_ids), len(token_ids),
+        index.symbol_of, index.table_len, index.alphabet, min_suffix, max_matches, draft_len,
+        max_nodes, address(leaf_tokens), address(leaf_lengths), ctypes.byref(match_len))
     if count < 0:
         raise MemoryError("the REST kernel ran out of memory")
     return cut_rows(leaf_tokens, leaf_lengths, count)
 
 
-def dense_drafts(ids: np.ndarray, offsets: np.ndarray, stream: np.ndarray,
-                 doc_starts: np.ndarray, value_len: int, bonus: int, draft_len: int
-                 ) -> np.ndarray:
+class DenseStore(NamedTuple):
+    """A dense datastore's arrays as `dense_drafts` reads them: their addresses, taken once
+    (`dense_store`, as `RestIndex`'s); the owner keeps the arrays alive."""
+
+    offsets: int
+    offset_width: int  # bytes an offset (uint32 or int64)
+    stream: int
+    token_width: int  # bytes a token (uint16 or uint32)
+    stream_len: int
+    doc_starts: int
+    documents: int
+    value_len: int
+
+
+def dense_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray,
+                value_len: int) -> DenseStore | None:
+    """The store as `dense_drafts` reads it, or None where it cannot (no kernel, or dtypes
+    it does not read: offsets uint32 or int64, stream uint16 or uint32, C-contiguous)."""
+    if not (kernel() is not None and offsets.dtype in (np.uint32, np.int64)
+            and stream.dtype in (np.uint16, np.uint32) and doc_starts.dtype == np.int64
+            and all(a.flags.c_contiguous for a in (offsets, stream, doc_starts))):
+        return None
+    return DenseStore(address(offsets), offsets.dtype.itemsize, address(stream),
+                      stream.dtype.itemsize, len(stream), address(doc_starts),
+                      len(doc_starts) - 1, value_len)
+
+
+def dense_drafts(ids: np.ndarray, store: DenseStore, bonus: int, draft_len: int) -> np.ndarray:
     """`DenseDrafter.neighbour_drafts` after the search: the drafts of the entries `ids` (rank
     order) whose value starts with `bonus`, as rows of token ids + 1 followed by zeros (int32
-    [kept, draft_len]). `offsets` uint32 or int64, `stream` uint16 or uint32."""
+    [kept, draft_len])."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     rows = np.empty((len(ids), draft_len), dtype=np.int32)
     kept = kernel().dresd_dense_drafts(
-        address(ids), len(ids), address(offsets), offsets.dtype.itemsize,
-        address(stream), stream.dtype.itemsize, len(stream), address(doc_starts),
-        len(doc_starts) - 1, value_len, bonus, draft_len, address(rows))
+        address(ids), len(ids), store.offsets, store.offset_width, store.stream,
+        store.token_width, store.stream_len, store.doc_starts, store.documents,
+        store.value_len, bonus, draft_len, address(rows))
     return rows[:kept]
 
 
@@ -243,18 +289,31 @@ def agreeing_prefixes(rows: np.ndarray) -> list[tuple[list[int], int]]:
     return list(zip(cut_rows(rows, lengths, found), counts[:found].tolist(), strict=True))
 
 
-def dense_key(hidden: torch.Tensor, weight_t: np.ndarray, bias: np.ndarray) -> np.ndarray:
+class KeyWeights(NamedTuple):
+    """DReSD's key transform as `dense_key` reads it: W transposed ([d, dim] float32,
+    C-contiguous) and b ([dim]), their addresses taken once (`key_weights`); the owner
+    (`KeyTransform`) keeps the arrays alive."""
+
+    weight_t: int
+    bias: int
+    d: int
+    dim: int
+
+
+def key_weights(weight_t: np.ndarray, bias: np.ndarray) -> KeyWeights:
+    return KeyWeights(address(weight_t), address(bias), weight_t.shape[0], weight_t.shape[1])
+
+
+def dense_key(hidden: torch.Tensor, weights: KeyWeights) -> np.ndarray:
     """`KeyTransform.apply` for one hidden state [d] (bf16 or float32, on the CPU): the unit key
-    [dim] float32. `weight_t`: W transposed, [d, dim] float32 C-contiguous; `bias` [dim]. One C
-    call on the forward's own row, where numpy's path (a float copy, a product, a norm, a
-    division) costs ~80 us with the caches a forward leaves, and this ~30."""
+    [dim] float32. One C call on the forward's own row, where numpy's path (a float copy, a
+    product, a norm, a division) costs ~80 us with the caches a forward leaves, and this ~30."""
     if hidden.dtype not in (torch.bfloat16, torch.float32):
         hidden = hidden.float()
     hidden = hidden.contiguous()
-    key = np.empty(weight_t.shape[1], dtype=np.float32)
-    kernel().dresd_dense_key(hidden.data_ptr(), int(hidden.dtype == torch.bfloat16),
-                             weight_t.shape[0], address(weight_t), address(bias),
-                             weight_t.shape[1], address(key))
+    key = np.empty(weights.dim, dtype=np.float32)
+    kernel().dresd_dense_key(hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), weights.d,
+                             weights.weight_t, weights.bias, weights.dim, address(key))
     return key
 
 
@@ -269,10 +328,3 @@ def prompt_lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, draft_len:
                                          draft_len, num_drafts, address(drafts),
                                          address(lengths))
     return cut_rows(drafts, lengths, count)
-
-
-def takes_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray) -> bool:
-    """Whether `dense_drafts` reads a store of these arrays (its dtypes, C-contiguous)."""
-    return (kernel() is not None and offsets.dtype in (np.uint32, np.int64)
-            and stream.dtype in (np.uint16, np.uint32) and doc_starts.dtype == np.int64
-            and all(a.flags.c_contiguous for a in (offsets, stream, doc_starts)))
