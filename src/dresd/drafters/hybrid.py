@@ -56,6 +56,7 @@ import functools
 import json
 import math
 import time
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -549,15 +550,16 @@ class HybridDrafter(HybridOptions, Drafter):
                     tree.add(candidate, name, draft_len)
             drafts, kept = tree.cut(table, costs, max_nodes) if len(tree) > 1 else ([], 0)
             return tree, drafts, kept, lost
-        tokens, offsets, bits, neighbours, shares = [], [0], [], [], []
+        tokens, offsets, bits = array("q"), array("q", [0]), array("q")
+        neighbours, shares = array("q"), array("d")
         for name, candidates in gathered:
             bit = 1 << table.bit(name)
             for draft, count, token_shares in candidates:
-                tokens += draft
+                tokens.extend(draft)
                 offsets.append(len(tokens))
                 bits.append(bit)
                 neighbours.append(count)
-                shares += [math.nan] * len(draft) if token_shares is None else token_shares
+                shares.extend([math.nan] * len(draft) if token_shares is None else token_shares)
         tree, drafts, kept, by_bit = drafting.HybridTree.drafted(
             tokens, offsets, bits, neighbours, shares, draft_len, table.accepted, table.tried,
             table.priors, table.prior_strength, costs, max_nodes,

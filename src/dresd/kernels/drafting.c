@@ -423,27 +423,31 @@ static void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t 
  * source bit), then merge this step's candidates into an empty tree (`dresd_hybrid_merge`),
  * estimate the reach of its nodes (`dresd_hybrid_reach`), cut it (`dresd_hybrid_cut`), and
  * write each kept leaf's path from the root's child down as a row of `max_len` tokens
- * (path_lengths: its length). Scratch: reach (double), order, leaves (int32) and is_parent
- * (uint8), `capacity` entries each; paths max_nodes x max_len. counts[0] = the tree's nodes,
- * counts[1] = the nodes kept. Returns the leaf count, or -1 when the tree is full. */
+ * (path_lengths: its length); paths max_nodes x max_len. counts[0] = the tree's nodes,
+ * counts[1] = the nodes kept. Its scratch is allocated here: from Python each array costs
+ * ~4 us with the caches a forward leaves. Returns the leaf count, or -1 when the tree is full
+ * or memory runs out. */
 int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_t *emitted,
                        int emitted_count, int32_t *lost, int num_sources, int32_t *tree,
                        int capacity, const int64_t *tokens, const int64_t *offsets,
                        int candidates, const int64_t *sources, const int64_t *neighbours,
                        const double *shares, int max_len, double *accepted, double *tried,
                        const double *prior, double strength, const double *costs,
-                       int max_nodes, double *reach, int32_t *order, uint8_t *is_parent,
-                       int32_t *leaves, int32_t *paths, int32_t *path_lengths,
-                       int32_t *counts) {
+                       int max_nodes, int32_t *paths, int32_t *path_lengths, int32_t *counts) {
     if (last_tree)
         dresd_hybrid_learn(last_tree, last_capacity, emitted, emitted_count, accepted, tried,
                            lost, num_sources);
+    counts[0] = counts[1] = 0;
     int nodes = dresd_hybrid_merge(tree, capacity, 0, tokens, offsets, candidates, sources,
                                    neighbours, shares, max_len);
     if (nodes < 0) return -1;
     counts[0] = nodes;
-    counts[1] = 0;
     if (nodes < 2) return 0;
+    /* reach (double), order and leaves (int32), is_parent (uint8): capacity entries each */
+    double *reach = malloc((size_t)capacity * (sizeof(double) + 2 * sizeof(int32_t) + 1));
+    if (!reach) return -1;
+    int32_t *order = (int32_t *)(reach + capacity), *leaves = order + capacity;
+    uint8_t *is_parent = (uint8_t *)(leaves + capacity);
     dresd_hybrid_reach(tree, capacity, nodes, accepted, tried, prior, strength, reach);
     int kept = 0;
     int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order,
@@ -459,6 +463,7 @@ int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_
         for (int node = leaves[i], at = length - 1; node > 0; node = parent[node], at--)
             row[at] = token[node];
     }
+    free(reach);
     return count;
 }
 
