@@ -380,10 +380,15 @@ class SourceLedger:
         explore = step % (self.explore_every * max(batch_size, 1)) == 0
         if explore or not self.emitted or not self.step_seconds:
             return None
-        excess = {name: c / self.step_seconds - self.lost[name] / self.emitted
-                  for name, c in self.seconds.items() if self.consulted[name] >= self.warmup}
-        worst = max(excess, key=excess.__getitem__, default=None)
-        return worst if worst is not None and excess[worst] > 0 else None
+        # A plain loop: a comprehension and max(key=...) cost ~5 us more a step with the caches
+        # a forward leaves. The first of the largest excesses over 0, as max() would pick.
+        worst, largest = None, 0.0
+        for name, c in self.seconds.items():
+            if self.consulted[name] >= self.warmup:
+                excess = c / self.step_seconds - self.lost[name] / self.emitted
+                if excess > largest:
+                    worst, largest = name, excess
+        return worst
 
 
 @dataclass

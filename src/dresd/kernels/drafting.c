@@ -419,30 +419,33 @@ static void dresd_hybrid_learn(const int32_t *tree, int capacity, const int64_t 
 }
 
 /* A hybrid step in one call, for the cost of one call from Python: first learn from the last
- * step (where last_tree is not NULL: `dresd_hybrid_learn` with its emitted tokens, lost[s] per
- * source bit), then merge this step's candidates into an empty tree (`dresd_hybrid_merge`),
- * estimate the reach of its nodes (`dresd_hybrid_reach`), cut it (`dresd_hybrid_cut`), and
- * write each kept leaf's path from the root's child down as a row of `max_len` tokens
- * (path_lengths: its length); paths max_nodes x max_len. counts[0] = the tree's nodes,
- * counts[1] = the nodes kept. Its scratch is allocated here: from Python each array costs
- * ~4 us with the caches a forward leaves. Returns the leaf count, or -1 when the tree is full
- * or memory runs out. */
+ * step (where last_tree is not NULL: `dresd_hybrid_learn` with its emitted tokens), then merge
+ * this step's candidates into an empty tree (`dresd_hybrid_merge`), estimate the reach of its
+ * nodes (`dresd_hybrid_reach`) and cut it (`dresd_hybrid_cut`). Everything Python reads back
+ * goes into one flat record of int32, which it turns into lists with one call: the tree's
+ * nodes, the nodes kept, lost[s] for each of the num_sources source bits (-1 when none: the
+ * accepted tokens the last step lost without it), then each kept leaf's path from the root's
+ * child down as its length followed by its tokens (room: 2 + num_sources + max_nodes *
+ * (max_len + 1)). Its scratch is allocated here: from Python each array costs ~4 us with the
+ * caches a forward leaves. Returns the record's length, or -1 when the tree is full or memory
+ * runs out. */
 int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_t *emitted,
-                       int emitted_count, int32_t *lost, int num_sources, int32_t *tree,
-                       int capacity, const int64_t *tokens, const int64_t *offsets,
-                       int candidates, const int64_t *sources, const int64_t *neighbours,
-                       const double *shares, int max_len, double *accepted, double *tried,
-                       const double *prior, double strength, const double *costs,
-                       int max_nodes, int32_t *paths, int32_t *path_lengths, int32_t *counts) {
+                       int emitted_count, int num_sources, int32_t *tree, int capacity,
+                       const int64_t *tokens, const int64_t *offsets, int candidates,
+                       const int64_t *sources, const int64_t *neighbours, const double *shares,
+                       int max_len, double *accepted, double *tried, const double *prior,
+                       double strength, const double *costs, int max_nodes, int32_t *record) {
+    int32_t *lost = record + 2, *path = record + 2 + num_sources;
+    for (int s = 0; s < num_sources; s++) lost[s] = -1;
     if (last_tree)
         dresd_hybrid_learn(last_tree, last_capacity, emitted, emitted_count, accepted, tried,
                            lost, num_sources);
-    counts[0] = counts[1] = 0;
+    record[0] = record[1] = 0;
     int nodes = dresd_hybrid_merge(tree, capacity, 0, tokens, offsets, candidates, sources,
                                    neighbours, shares, max_len);
     if (nodes < 0) return -1;
-    counts[0] = nodes;
-    if (nodes < 2) return 0;
+    record[0] = nodes;
+    if (nodes < 2) return (int)(path - record);
     /* reach (double), order and leaves (int32), is_parent (uint8): capacity entries each */
     double *reach = malloc((size_t)capacity * (sizeof(double) + 2 * sizeof(int32_t) + 1));
     if (!reach) return -1;
@@ -452,19 +455,19 @@ int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_
     int kept = 0;
     int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order,
                                  is_parent, leaves, &kept);
-    counts[1] = kept;
+    record[1] = kept;
     const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
     const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
     const int32_t *depth = COLUMN(tree, capacity, T_DEPTH);
     for (int i = 0; i < count; i++) {  /* a kept leaf's depth is at most max_len */
-        int32_t *row = paths + (int64_t)i * max_len;
         int length = depth[leaves[i]];
-        path_lengths[i] = length;
-        for (int node = leaves[i], at = length - 1; node > 0; node = parent[node], at--)
-            row[at] = token[node];
+        path[0] = length;
+        for (int node = leaves[i], at = length; node > 0; node = parent[node], at--)
+            path[at] = token[node];
+        path += 1 + length;
     }
     free(reach);
-    return count;
+    return (int)(path - record);
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -47,10 +47,10 @@ def kernel() -> ctypes.CDLL | None:
     function.argtypes = [pointer, i64, i32, f64, f64, i32, f64, i32, i32,
                          pointer, pointer, pointer, pointer]
     function.restype = i32
-    library.dresd_hybrid_draft.argtypes = [pointer, i32, pointer, i32, pointer, i32,
-                                           pointer, i32, pointer, pointer, i32, pointer,
-                                           pointer, pointer, i32, pointer, pointer, pointer, f64,
-                                           pointer, i32, pointer, pointer, pointer]
+    library.dresd_hybrid_draft.argtypes = [pointer, i32, pointer, i32, i32, pointer, i32,
+                                           pointer, pointer, i32, pointer, pointer, pointer,
+                                           i32, pointer, pointer, pointer, f64, pointer, i32,
+                                           pointer]
     library.dresd_hybrid_draft.restype = i32
     library.dresd_frequent_prefixes.argtypes = [pointer, i64, i64, i32, i32, pointer, pointer]
     library.dresd_frequent_prefixes.restype = i32
@@ -153,33 +153,30 @@ class HybridTree:
 
         The candidates come as `array`s (int64 'q', shares float64 'd'), which Python fills
         and hands over at half numpy's cost with the caches a forward leaves (~2 us an array
-        against ~4); the outputs share one int32 block, for the same reason."""
+        against ~4); the outputs come back in one int32 record, read with one call."""
         tree = cls.__new__(cls)
         capacity = tree.capacity = len(tokens) + 1
         tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
-        width = max(max_len, 1)
-        # the outputs: paths [max_nodes, width], their lengths [max_nodes], counts [2] (nodes,
-        # kept) and lost [num_sources], in this order
-        out = np.empty(max_nodes * (width + 1) + 2 + num_sources, dtype=np.int32)
-        at = address(out)
-        lengths_at = at + 4 * max_nodes * width
-        counts_at = lengths_at + 4 * max_nodes
-        lost = out[max_nodes * (width + 1) + 2 :]
-        lost[:] = -1
+        # the kernel's record: nodes, kept, lost per source, then (length, tokens...) per path
+        record = np.empty(2 + num_sources + max_nodes * (max(max_len, 0) + 1), dtype=np.int32)
         emitted = array("q", emitted)  # named, so that it lives until the call returns
-        count = kernel().dresd_hybrid_draft(
+        written = kernel().dresd_hybrid_draft(
             None if last is None else address(last.block), 0 if last is None else last.capacity,
-            emitted.buffer_info()[0], len(emitted), counts_at + 8, num_sources,
-            address(tree.block), capacity, tokens.buffer_info()[0], offsets.buffer_info()[0],
-            len(offsets) - 1, sources.buffer_info()[0], neighbours.buffer_info()[0],
-            shares.buffer_info()[0], max_len, address(accepted), address(tried),
-            address(prior), strength, address(costs), max_nodes, at, lengths_at, counts_at)
-        if count < 0:
+            emitted.buffer_info()[0], len(emitted), num_sources, address(tree.block), capacity,
+            tokens.buffer_info()[0], offsets.buffer_info()[0], len(offsets) - 1,
+            sources.buffer_info()[0], neighbours.buffer_info()[0], shares.buffer_info()[0],
+            max_len, address(accepted), address(tried), address(prior), strength,
+            address(costs), max_nodes, address(record))
+        if written < 0:
             raise MemoryError("the hybrid kernel ran out of room for its tree")
-        paths = out[: max_nodes * width].reshape(max_nodes, width)
-        lengths = out[max_nodes * width : max_nodes * (width + 1)]
-        tree.nodes, kept = out[max_nodes * (width + 1) : max_nodes * (width + 1) + 2].tolist()
-        return tree, cut_rows(paths, lengths, count), kept, lost.tolist()
+        values = record[:written].tolist()
+        tree.nodes, kept = values[0], values[1]
+        paths, at = [], 2 + num_sources
+        while at < written:
+            length = values[at]
+            paths.append(values[at + 1 : at + 1 + length])
+            at += 1 + length
+        return tree, paths, kept, values[2 : 2 + num_sources]
 
 
 def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
