@@ -129,3 +129,19 @@ def test_summary_formulas():
     assert figures["drafted_tokens_per_step"] == 3.0
     assert figures["tokens_per_s"] == 8 / 4.0
     assert figures["draft_time_share"] == pytest.approx(0.2 / 4.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_distinct_padded_is_the_papers_shape_of_the_unpadded_drafts(seed):
+    """DReSD's paper shape read block by block from padded rows (`distinct_padded`) gives the
+    reference `distinct_drafts` of the same drafts: repeats, empty rows, too few distinct ones."""
+    from dresd.drafters.dense import distinct_drafts, distinct_padded, padded, unpadded
+
+    rng = np.random.default_rng(seed)
+    width = int(rng.integers(1, 6))
+    pool = [rng.integers(0, 4, size=int(rng.integers(0, width + 1))).tolist()
+            for _ in range(int(rng.integers(1, 8)))]  # few distinct drafts, empty ones too
+    drafts = [pool[int(i)] for i in rng.integers(0, len(pool), size=int(rng.integers(0, 120)))]
+    rows = padded(drafts, width)
+    for num_drafts in (1, 2, 3, 10, 50):
+        assert distinct_padded(rows, num_drafts) == distinct_drafts(unpadded(rows), num_drafts)

@@ -111,16 +111,18 @@ def agreeing_prefixes(neighbours: list[list[int]]) -> dict[tuple[int, ...], int]
 
 def distinct_padded(rows: np.ndarray, num_drafts: int) -> list[Draft]:
     """`distinct_drafts` of rows of token ids + 1 followed by zeros (`neighbour_rows`),
-    converting only the rows it keeps: the first few of up to k."""
+    converting only the rows it reads: a few blocks of up to k rows, as far as it needs."""
     drafts: list[Draft] = []
     seen: set[tuple[int, ...]] = set()
-    for row in rows.tolist():
-        key = tuple(row)
-        if row[0] and key not in seen:  # equal padded rows: equal drafts
-            seen.add(key)
-            drafts.append([token - 1 for token in row if token])
-            if len(drafts) == num_drafts:
-                break
+    block = 2 * num_drafts  # rows converted at a time: one tolist of all k cost ~15 us cold
+    for first in range(0, len(rows), block):
+        for row in rows[first : first + block].tolist():
+            key = tuple(row)
+            if row[0] and key not in seen:  # equal padded rows: equal drafts
+                seen.add(key)
+                drafts.append([token - 1 for token in row if token])
+                if len(drafts) == num_drafts:
+                    return drafts
     return drafts
 
 
