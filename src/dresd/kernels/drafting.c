@@ -785,12 +785,13 @@ int dresd_agreeing_prefixes(int32_t *rows, int64_t m, int64_t width, int32_t *le
 
 /* `dresd_rest_draft` from token ids to token ids: the context's last `count` ids become
  * symbols by `symbol_of` (an id outside the table, or without a symbol, is unknown: -1), cut
- * after the last unknown one; the leaves' symbols become ids again (alphabet[symbol - 1]). */
+ * after the last unknown one; the leaves' symbols become ids again (alphabet[symbol - 1]).
+ * The match's length stays here: the drafter has no use for it. */
 int dresd_rest_lookup(const uint8_t *text, int64_t bytes, int width, const void *suffix_array,
                       int wide, int64_t rows, const int64_t *token_ids, int64_t count,
                       const int64_t *symbol_of, int64_t table_len, const int64_t *alphabet,
                       int min_suffix, int max_matches, int draft_len, int max_nodes,
-                      int32_t *leaf_tokens, int32_t *leaf_lengths, int32_t *match_len) {
+                      int32_t *leaf_tokens, int32_t *leaf_lengths) {
     int64_t *tail = malloc(sizeof(int64_t) * (count + 1));
     if (!tail) return -1;
     int64_t tail_len = 0;
@@ -800,9 +801,10 @@ int dresd_rest_lookup(const uint8_t *text, int64_t bytes, int width, const void 
         if (symbol < 0) tail_len = 0;  /* a match cannot hold a token the corpus never has */
         else tail[tail_len++] = symbol;
     }
+    int32_t match_len;
     int leaves = dresd_rest_draft(text, bytes, width, suffix_array, wide, rows, tail, tail_len,
                                   min_suffix, max_matches, draft_len, max_nodes, leaf_tokens,
-                                  leaf_lengths, match_len);
+                                  leaf_lengths, &match_len);
     free(tail);
     for (int i = 0; i < leaves; i++)
         for (int j = 0; j < leaf_lengths[i]; j++) {

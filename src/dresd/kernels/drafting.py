@@ -56,7 +56,7 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_frequent_prefixes.restype = i32
     library.dresd_rest_lookup.argtypes = [pointer, i64, i32, pointer, i32, i64, pointer, i64,
                                           pointer, i64, pointer, i32, i32, i32, i32, pointer,
-                                          pointer, pointer]
+                                          pointer]
     library.dresd_rest_lookup.restype = i32
     library.dresd_dense_drafts.argtypes = [pointer, i32, pointer, i32, pointer, i32, i64,
                                            pointer, i64, i32, i64, i32, pointer]
@@ -228,12 +228,11 @@ def rest_lookup(index: RestIndex, token_ids: np.ndarray, min_suffix: int, max_ma
     token_ids = np.ascontiguousarray(token_ids, dtype=np.int64)
     leaf_tokens = np.empty((max_nodes, draft_len), dtype=np.int32)
     leaf_lengths = np.empty(max_nodes, dtype=np.int32)
-    match_len = ctypes.c_int32(0)
     count = kernel().dresd_rest_lookup(
         index.symbols, index.symbols_bytes, index.symbol_width, index.suffix_array,
         index.suffix_array_wide, index.suffixes, address(token_ids), len(token_ids),
         index.symbol_of, index.table_len, index.alphabet, min_suffix, max_matches, draft_len,
-        max_nodes, address(leaf_tokens), address(leaf_lengths), ctypes.byref(match_len))
+        max_nodes, address(leaf_tokens), address(leaf_lengths))
     if count < 0:
         raise MemoryError("the REST kernel ran out of memory")
     return cut_rows(leaf_tokens, leaf_lengths, count)
