@@ -335,10 +335,13 @@ def test_hybrid_drafts_from_the_store_and_stays_greedy(datastore, default_target
 
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler: numpy reads the store")
-def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeypatch):
+@pytest.mark.parametrize("store", ["datastore", "ivf_datastore"])
+def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(store, request, monkeypatch):
     """The drafts the C kernel slices from the store after the search (bonus filter, document
     ends, draft length) and what DReSD makes of them (the paper's shape, a node budget, the
-    candidates hybrid takes) equal the numpy path's, on states around the store's own."""
+    candidates hybrid takes) equal the numpy path's, on states around the store's own; on an
+    IVF store the kernel also searches (FAISS without it)."""
+    datastore = request.getfixturevalue(store)
     rng = np.random.default_rng(0)
     shapes = [DenseDrafter(str(datastore), k=50),
               DenseDrafter(str(datastore), k=50, max_tree_nodes=4),
@@ -365,6 +368,29 @@ def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(datastore, monkeyp
             assert outputs[0] == outputs[1]
             compared += len(outputs[0][0])
     assert compared > 100
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")
+def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
+    """Key, IVF search and drafts in one kernel call (`dense_neighbour_rows`) give the rows
+    that the three calls give one after the other, from bf16 and float32 states."""
+    drafter = DenseDrafter(str(ivf_datastore), k=50)
+    assert drafter._query_in_c is not None  # an IVF store with fp16 codes: one call
+    store, rng = drafter.store, np.random.default_rng(0)
+    transform = store.transform
+    compared = 0
+    for trial in range(30):
+        state = transform.mean + transform.std * rng.normal(size=len(transform.mean))
+        state = torch.tensor(state, dtype=torch.bfloat16 if trial % 2 else torch.float32)
+        _, ids = store.index.search(transform.key(state)[None, :], 50)
+        start, _ = store.value_bounds(ids[0][trial % 5 : trial % 5 + 1])
+        bonus = int(store.stream[start[0]])  # a searched entry's next token
+        draft_len = 1 + trial % 10
+        expected = drafting.dense_drafts(ids[0], drafter._store_in_c, bonus, draft_len)
+        rows = drafting.dense_neighbour_rows(drafter._query_in_c, state, 50, bonus, draft_len)
+        assert np.array_equal(rows, expected)
+        compared += len(rows)
+    assert compared >= 60
 
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")

@@ -82,7 +82,7 @@ class KeyTransform:
         self._bias = -(self._weight @ self.mean).astype(np.float32)
         # W^T [d, dim] and b as the C key reads them (None: no kernel), their addresses once
         self._weight_t = np.ascontiguousarray(self._weight.T)
-        self._key_in_c = (drafting.key_weights(self._weight_t, self._bias)
+        self.key_weights = (drafting.key_weights(self._weight_t, self._bias)
                           if drafting.kernel() is not None else None)
 
     @property
@@ -108,8 +108,8 @@ class KeyTransform:
         agree with `apply`'s to float32 rounding (the sums' order differs)."""
         if isinstance(state, torch.Tensor):
             # is_cpu: ~2 us with the caches a forward leaves, .device.type ~5
-            if self._key_in_c is not None and state.is_cpu and drafting.kernel() is not None:
-                return drafting.dense_key(state, self._key_in_c)
+            if self.key_weights is not None and state.is_cpu and drafting.kernel() is not None:
+                return drafting.dense_key(state, self.key_weights)
             state = state.detach().to("cpu").float().numpy()
         return self.apply(state)
 

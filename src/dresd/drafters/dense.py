@@ -180,6 +180,13 @@ class DenseDrafter(DenseOptions, Drafter):
         store = self.store  # as the C kernel reads its drafts (None: it cannot), once
         self._store_in_c = drafting.dense_store(store.offsets, store.stream, store.doc_starts,
                                                 store.value_len)
+        # the key, the search and the drafts in one C call, where the kernel reads all three
+        # (None: the key in C, FAISS's search, the drafts in C, as three calls)
+        lists, weights = getattr(store.index, "lists", None), store.transform.key_weights
+        self._query_in_c = (drafting.dense_plan(weights, lists, store.index.nprobe,
+                                                self._store_in_c)
+                            if lists is not None and weights is not None
+                            and self._store_in_c is not None else None)
         if self.learn:
             self.learned = LearnedDenseStore(self.store.transform, self.max_cached_requests,
                                              self.max_cached_tokens)
@@ -209,6 +216,11 @@ class DenseDrafter(DenseOptions, Drafter):
             return padded(self._learned_neighbours(context.hidden_state, bonus, draft_len),
                           draft_len)
         store = self.store
+        state = context.hidden_state
+        if (self._query_in_c is not None and isinstance(state, torch.Tensor) and state.is_cpu
+                and drafting.kernel() is not None):
+            return drafting.dense_neighbour_rows(self._query_in_c, state, self.k, bonus,
+                                                 draft_len)
         if self._store_in_c is not None:  # it skips the index's -1 padding itself
             ids = store.search(context.hidden_state, self.k, padded=True)
             return drafting.dense_drafts(ids, self._store_in_c, bonus, draft_len)

@@ -20,6 +20,7 @@
  * One pass over the context (L) and work proportional to the matches: no per-token upkeep, so
  * a drafter that was not consulted for some steps pays nothing to catch up.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -850,4 +851,254 @@ int dresd_prompt_lookup(const int64_t *tokens, int64_t len, int max_ngram, int m
         if (count > 0) return count;
     }
     return 0;
+}
+
+/* DReSD's search where the store is an IVF index with fp16 codes (FAISS's
+ * IndexIVFScalarQuantizer, QT_fp16, inner product), its lists read in place:
+ *
+ *   coarse(l)  = <q, centroid l>                      for every list l
+ *   probed     = the nprobe lists of highest coarse(l)
+ *   score(e)   = <q, code(e)> (+ coarse(l) where the codes hold e's residual from its list's
+ *                centroid, `by_residual`)                for every entry e of a probed list
+ *
+ * and the k entries of highest score, best first: FAISS's search of the same index. Its own
+ * search of one query costs ~60-100 us with the caches a forward leaves, ~30 of them reading the
+ * centroids (nlist x dim floats, 305 KB for the demo store). So the coarse pass reads a half-
+ * precision copy instead, in blocks of 32 centroids ([block][dim][32], `centroid_blocks`),
+ * and re-scores its best in float32: every list whose half-precision score lies within twice
+ * the rounding bound of the nprobe-th best is re-scored exactly, so the lists probed are the
+ * ones a float32 pass picks (`rounding_bound`: |q . c - q . half(c)| <= 2^-11 sum_i |q_i c_i|
+ * <= 2^-11 |q| |c|, each half's relative rounding being at most 2^-11).
+ *
+ * codes[l], ids[l]: the addresses of list l's fp16 codes [sizes[l]][dim] and int64 ids (where
+ * FAISS keeps them: the index must outlive the call). `max_norm`: the largest centroid's norm.
+ * Writes k scores and ids, -1 after the last where the probed lists hold fewer than k entries;
+ * returns how many were found, -1 where nprobe is not 1 to MAX_PROBES, -2 out of memory.
+ * Equal scores rank as in FAISS's heaps: the lower id makes the list, and is listed after the
+ * higher. Where the CPU has AVX2, FMA and F16C the products are 8 lanes wide, as FAISS's; else a
+ * plain loop (sums in another order, so a score may differ from FAISS's in its last bits). */
+
+#define CENTROID_BLOCK 32
+#define MAX_PROBES 32 /* lists probed at most (more: FAISS searches, `ivf_lists`) */
+
+static float half_to_float(uint16_t h) {
+    /* exponent and mantissa moved into a float's places, then rescaled by 2^(127 - 15), which
+     * also makes subnormals right. Inf and NaN (exponent 31) are not handled: keys are unit
+     * vectors, centroids and residuals are small */
+    uint32_t bits = (uint32_t)(h & 0x7fff) << 13;
+    float magnitude;
+    memcpy(&magnitude, &bits, sizeof magnitude);
+    magnitude *= 0x1p112f;
+    return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+static float dot_f32_plain(const float *a, const float *b, int n) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float dot_f16_plain(const float *q, const uint16_t *code, int n) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += q[i] * half_to_float(code[i]);
+    return sum;
+}
+
+/* The half-precision scores of one block's 32 centroids. */
+static void block_scores_plain(const float *q, const uint16_t *block, int dim, float *out) {
+    for (int j = 0; j < CENTROID_BLOCK; j++) out[j] = 0.0f;
+    for (int i = 0; i < dim; i++)
+        for (int j = 0; j < CENTROID_BLOCK; j++)
+            out[j] += q[i] * half_to_float(block[i * CENTROID_BLOCK + j]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WIDE __attribute__((target("avx2,fma,f16c")))
+
+WIDE static float sum8(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+WIDE static float dot_f16_wide(const float *q, const uint16_t *code, int n) {
+    __m256 sum = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(code + i)));
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), x, sum);
+    }
+    float total = sum8(sum);
+    for (; i < n; i++) total += q[i] * half_to_float(code[i]);
+    return total;
+}
+
+WIDE static void block_scores_wide(const float *q, const uint16_t *block, int dim, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < dim; i++, block += CENTROID_BLOCK) {
+        __m256 qi = _mm256_set1_ps(q[i]);
+        a0 = _mm256_fmadd_ps(qi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block)), a0);
+        a1 = _mm256_fmadd_ps(qi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 8))), a1);
+        a2 = _mm256_fmadd_ps(qi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16))), a2);
+        a3 = _mm256_fmadd_ps(qi, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 24))), a3);
+    }
+    _mm256_storeu_ps(out, a0);
+    _mm256_storeu_ps(out + 8, a1);
+    _mm256_storeu_ps(out + 16, a2);
+    _mm256_storeu_ps(out + 24, a3);
+}
+
+static int wide_dots(void) {
+    static int known = -1;
+    if (known < 0)
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                && __builtin_cpu_supports("f16c");
+    return known;
+}
+#else
+static float dot_f16_wide(const float *q, const uint16_t *c, int n) { return dot_f16_plain(q, c, n); }
+static void block_scores_wide(const float *q, const uint16_t *b, int dim, float *out) {
+    block_scores_plain(q, b, dim, out);
+}
+static int wide_dots(void) { return 0; }
+#endif
+
+/* Whether (a, a_id) ranks before (b, b_id): the higher score, on equal scores the lower id,
+ * as FAISS's heaps rank them (so among equal keys the same ones make the list). */
+static int ranks_before(float a, int64_t a_id, float b, int64_t b_id) {
+    return a > b || (a == b && a_id < b_id);
+}
+
+/* Insert (score, id) into best[0..*filled) (ranked by `ranks_before`, at most `size`), if it
+ * belongs. */
+static void keep_best(float *best, int64_t *best_ids, int size, int *filled, float score,
+                      int64_t id) {
+    if (*filled == size && !ranks_before(score, id, best[size - 1], best_ids[size - 1])) return;
+    int at = *filled < size ? (*filled)++ : size - 1;
+    while (at > 0 && ranks_before(score, id, best[at - 1], best_ids[at - 1])) {
+        best[at] = best[at - 1];
+        best_ids[at] = best_ids[at - 1];
+        at--;
+    }
+    best[at] = score;
+    best_ids[at] = id;
+}
+
+/* How far a coarse score of the half-precision pass may lie from the float32 one: the halves'
+ * rounding, 2^-11 |q| |c|, and both passes' float32 sums, within dim 2^-24 |q| |c| each. */
+static float rounding_bound(const float *query, int dim, float max_norm) {
+    float norm = sqrtf(dot_f32_plain(query, query, dim));
+    return (0x1p-11f + (float)dim * 0x1p-23f) * norm * max_norm;
+}
+
+/* The nprobe lists of highest float32 coarse score, and those scores (module doc above);
+ * -1 where out of memory. */
+static int coarse_lists(const float *query, int dim, const float *centroids,
+                        const uint16_t *centroid_blocks, int64_t nlist, float max_norm,
+                        int nprobe, float *probe_scores, int64_t *probes, int wide) {
+    int64_t blocks = (nlist + CENTROID_BLOCK - 1) / CENTROID_BLOCK;
+    float *approx = malloc(sizeof(float) * blocks * CENTROID_BLOCK);
+    if (!approx) return -1;
+    for (int64_t b = 0; b < blocks; b++)
+        (wide ? block_scores_wide : block_scores_plain)(
+            query, centroid_blocks + b * CENTROID_BLOCK * dim, dim, approx + b * CENTROID_BLOCK);
+    /* the nprobe-th best half-precision score, then every list within the bound of it */
+    float best[MAX_PROBES];
+    int64_t unused[MAX_PROBES];
+    int ranked = 0;
+    for (int64_t l = 0; l < nlist; l++) keep_best(best, unused, nprobe, &ranked, approx[l], l);
+    float floor = best[ranked - 1] - 2.0f * rounding_bound(query, dim, max_norm);
+    int probed = 0;
+    for (int64_t l = 0; l < nlist; l++)
+        if (approx[l] >= floor)
+            keep_best(probe_scores, probes, nprobe, &probed,
+                      dot_f32_plain(query, centroids + l * dim, dim), l);
+    free(approx);
+    return probed;
+}
+
+int dresd_ivf_search(const float *query, int dim, const float *centroids,
+                     const uint16_t *centroid_blocks, int64_t nlist, float max_norm,
+                     int nprobe, int by_residual, const int64_t *codes, const int64_t *ids,
+                     const int64_t *sizes, int k, float *scores, int64_t *found_ids) {
+    int wide = wide_dots();
+    if (nprobe > MAX_PROBES || nprobe < 1 || nlist < 1) return -1;
+    if (nprobe > nlist) nprobe = (int)nlist;
+    float probe_scores[MAX_PROBES];
+    int64_t probes[MAX_PROBES];
+    int probed = coarse_lists(query, dim, centroids, centroid_blocks, nlist, max_norm, nprobe,
+                              probe_scores, probes, wide);
+    if (probed < 0) return -2;
+    int filled = 0;
+    for (int p = 0; p < probed; p++) {
+        int64_t list = probes[p], size = sizes[list];
+        const uint16_t *code = (const uint16_t *)(intptr_t)codes[list];
+        const int64_t *list_ids = (const int64_t *)(intptr_t)ids[list];
+        float base = by_residual ? probe_scores[p] : 0.0f;
+        for (int64_t e = 0; e < size; e++, code += dim) {
+            float score = base + (wide ? dot_f16_wide(query, code, dim)
+                                       : dot_f16_plain(query, code, dim));
+            keep_best(scores, found_ids, k, &filled, score, list_ids[e]);
+        }
+    }
+    /* FAISS lists entries of equal score by decreasing id: each run of equal scores reversed */
+    for (int first = 0, last; first < filled; first = last + 1) {
+        last = first;
+        while (last + 1 < filled && scores[last + 1] == scores[first]) last++;
+        for (int a = first, b = last; a < b; a++, b--) {
+            int64_t id = found_ids[a];
+            found_ids[a] = found_ids[b];
+            found_ids[b] = id;
+        }
+    }
+    for (int i = filled; i < k; i++) {
+        scores[i] = -FLT_MAX; /* as FAISS marks them */
+        found_ids[i] = -1;
+    }
+    return filled;
+}
+
+/* DReSD's whole query in one call, where the store's index is one `dresd_ivf_search` reads:
+ * the key of the hidden state (`dresd_dense_key`), its k nearest entries, and their drafts
+ * (`dresd_dense_drafts`). From Python these were three calls, each ~20 us with the caches a
+ * forward leaves whatever its work (argument conversions, output arrays). `plan`: what stays
+ * the same from call to call, set once (`drafting.DensePlan`). Returns the rows written, or
+ * < 0 as `dresd_ivf_search` does. */
+struct dense_plan {
+    const float *weight_t, *bias; /* the key transform (`dresd_dense_key`) */
+    int64_t d, dim;
+    const float *centroids; /* the IVF index (`dresd_ivf_search`) */
+    const uint16_t *centroid_blocks;
+    int64_t nlist, nprobe, by_residual;
+    double max_norm;
+    const int64_t *codes, *ids, *sizes;
+    const void *offsets; /* the store (`dresd_dense_drafts`) */
+    int64_t offset_width;
+    const void *stream;
+    int64_t token_width, stream_len;
+    const int64_t *doc_starts;
+    int64_t documents, value_len;
+};
+
+int dresd_dense_neighbour_rows(const struct dense_plan *plan, const void *hidden,
+                               int hidden_bf16, int k, int64_t bonus, int draft_len,
+                               int32_t *rows) {
+    int64_t *found = malloc(sizeof(int64_t) * k + sizeof(float) * (plan->dim + k));
+    if (!found) return -2;
+    float *key = (float *)(found + k), *scores = key + plan->dim;
+    dresd_dense_key(hidden, hidden_bf16, (int)plan->d, plan->weight_t, plan->bias,
+                    (int)plan->dim, key);
+    int status = dresd_ivf_search(key, (int)plan->dim, plan->centroids, plan->centroid_blocks,
+                                  plan->nlist, (float)plan->max_norm, (int)plan->nprobe,
+                                  (int)plan->by_residual, plan->codes, plan->ids, plan->sizes,
+                                  k, scores, found);
+    if (status >= 0)
+        status = dresd_dense_drafts(found, status, plan->offsets, (int)plan->offset_width,
+                                    plan->stream, (int)plan->token_width, plan->stream_len,
+                                    plan->doc_starts, plan->documents, (int)plan->value_len,
+                                    bonus, draft_len, rows);
+    free(found);
+    return status;
 }

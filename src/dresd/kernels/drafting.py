@@ -1,8 +1,9 @@
 """Drafting in C (`kernels/drafting.c`): PLD's lookup, the suffix drafter's tree over the
-request's own tokens, REST's whole lookup, DReSD's key, its drafts from the searched
-neighbours and their agreeing prefixes, the most frequent prefixes of many continuations (REST,
-DReSD with a node budget), and hybrid's step: learning from the last tree, merge, reach
-estimates and cut, in one call.
+request's own tokens, REST's whole lookup, DReSD's query (its key, its search where the store is
+an IVF index with fp16 codes, its drafts from the searched neighbours: one call) and the
+neighbours' agreeing prefixes, the most frequent prefixes of many continuations (REST, DReSD
+with a node budget), and hybrid's step: learning from the last tree, merge, reach estimates and
+cut, in one call.
 
 Why: drafting runs between two verify forwards, on the critical path, and the forward got fast
 (~8 ms a step for the default model on one core). The forward leaves every cache cold, and
@@ -67,6 +68,13 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_prompt_lookup.restype = i32
     library.dresd_agreeing_prefixes.argtypes = [pointer, i64, i64, pointer, pointer]
     library.dresd_agreeing_prefixes.restype = i32
+    library.dresd_ivf_search.argtypes = [pointer, i32, pointer, pointer, i64, ctypes.c_float,
+                                         i32, i32, pointer, pointer, pointer, i32, pointer,
+                                         pointer]
+    library.dresd_ivf_search.restype = i32
+    library.dresd_dense_neighbour_rows.argtypes = [pointer, pointer, i32, i32, i64, i32,
+                                                   pointer]
+    library.dresd_dense_neighbour_rows.restype = i32
     return library
 
 
@@ -330,3 +338,125 @@ def prompt_lookup(tokens: np.ndarray, max_ngram: int, min_ngram: int, draft_len:
                                          draft_len, num_drafts, address(drafts),
                                          address(lengths))
     return cut_rows(drafts, lengths, count)
+
+
+CENTROID_BLOCK = 32  # centroids a block of `IvfLists.centroid_blocks` holds (drafting.c)
+MAX_PROBES = 32  # lists `ivf_search` probes at most (drafting.c)
+
+
+class IvfLists(NamedTuple):
+    """A FAISS IVF index with fp16 codes as `ivf_search` reads it (`ivf_lists`), its arrays'
+    addresses taken once (as `RestIndex`'s): its centroids (float32 [nlist, dim], and in half
+    precision in blocks of 32, [block][dim][32], zeros past nlist, for the coarse pass), and
+    per list where FAISS keeps its codes and ids and how many entries it holds. `arrays` keeps
+    ours alive; the owner keeps the FAISS index alive."""
+
+    centroids: int
+    centroid_blocks: int
+    nlist: int
+    dim: int
+    max_norm: float  # the largest centroid's norm (the coarse pass's rounding bound)
+    codes: int  # int64 [nlist]: addresses
+    ids: int  # int64 [nlist]: addresses
+    sizes: int  # int64 [nlist]
+    by_residual: bool
+    arrays: tuple[np.ndarray, ...]
+
+
+def ivf_lists(index) -> IvfLists | None:
+    """`index`'s lists for `ivf_search`, or None where the kernel cannot search it: no kernel,
+    or not an inner-product `IndexIVFScalarQuantizer` with fp16 codes over a flat quantizer."""
+    import faiss
+
+    if kernel() is None or not isinstance(index, faiss.IndexIVFScalarQuantizer):
+        return None
+    quantizer = faiss.downcast_index(index.quantizer)
+    if (index.sq.qtype != faiss.ScalarQuantizer.QT_fp16
+            or index.metric_type != faiss.METRIC_INNER_PRODUCT
+            or not isinstance(quantizer, faiss.IndexFlat)
+            or quantizer.metric_type != faiss.METRIC_INNER_PRODUCT or index.nlist < 1):
+        return None
+    nlist, dim = index.nlist, index.d
+    centroids = np.array(faiss.rev_swig_ptr(quantizer.get_xb(), nlist * dim),
+                         dtype=np.float32).reshape(nlist, dim)
+    blocks = -(-nlist // CENTROID_BLOCK)
+    padded = np.zeros((blocks * CENTROID_BLOCK, dim), dtype=np.float16)
+    padded[:nlist] = centroids
+    centroid_blocks = np.ascontiguousarray(
+        padded.reshape(blocks, CENTROID_BLOCK, dim).transpose(0, 2, 1))
+    lists = index.invlists
+    # an empty list's pointers are NULL (None here), and never read
+    codes = np.array([int(lists.get_codes(i) or 0) for i in range(nlist)], dtype=np.int64)
+    ids = np.array([int(lists.get_ids(i) or 0) for i in range(nlist)], dtype=np.int64)
+    sizes = np.array([lists.list_size(i) for i in range(nlist)], dtype=np.int64)
+    return IvfLists(address(centroids), address(centroid_blocks), nlist, dim,
+                    float(np.linalg.norm(centroids, axis=1).max()), address(codes),
+                    address(ids), address(sizes), bool(index.by_residual),
+                    (centroids, centroid_blocks, codes, ids, sizes))
+
+
+def ivf_search(query: np.ndarray, lists: IvfLists, nprobe: int, k: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(scores [k], ids [k]) of one query [dim] float32 in `lists`, best first, -1 ids after
+    the last found: FAISS's search of the same index (the same lists probed, the same scores up
+    to the order of a sum's terms), in one call. 1 <= nprobe <= MAX_PROBES."""
+    scores = np.empty(k, dtype=np.float32)
+    found = np.empty(k, dtype=np.int64)
+    status = kernel().dresd_ivf_search(
+        address(query), lists.dim, lists.centroids, lists.centroid_blocks, lists.nlist,
+        lists.max_norm, nprobe, int(lists.by_residual), lists.codes, lists.ids, lists.sizes, k,
+        address(scores), address(found))
+    if status == -1:
+        raise ValueError(f"ivf_search probes 1 to {MAX_PROBES} lists, not {nprobe}")
+    if status < 0:
+        raise MemoryError("the IVF search kernel ran out of memory")
+    return scores, found
+
+
+class DensePlan(ctypes.Structure):
+    """What DReSD's query in one call (`dense_neighbour_rows`) reads, set once per store:
+    `drafting.c`'s struct dense_plan, field for field. `arrays` keeps the IVF lists' arrays
+    alive; the owners keep the transform, the store and the FAISS index alive."""
+
+    _fields_ = [("weight_t", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("d", ctypes.c_int64), ("dim", ctypes.c_int64),
+                ("centroids", ctypes.c_void_p), ("centroid_blocks", ctypes.c_void_p),
+                ("nlist", ctypes.c_int64), ("nprobe", ctypes.c_int64),
+                ("by_residual", ctypes.c_int64), ("max_norm", ctypes.c_double),
+                ("codes", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("sizes", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("offset_width", ctypes.c_int64),
+                ("stream", ctypes.c_void_p), ("token_width", ctypes.c_int64),
+                ("stream_len", ctypes.c_int64), ("doc_starts", ctypes.c_void_p),
+                ("documents", ctypes.c_int64), ("value_len", ctypes.c_int64)]
+
+
+def dense_plan(weights: KeyWeights, lists: IvfLists, nprobe: int, store: DenseStore
+               ) -> tuple[DensePlan, int] | None:
+    """The plan and its address for `dense_neighbour_rows`, or None where nprobe is out of
+    the kernel's range (FAISS searches then)."""
+    if not 1 <= nprobe <= MAX_PROBES:
+        return None
+    plan = DensePlan(weights.weight_t, weights.bias, weights.d, weights.dim, lists.centroids,
+                     lists.centroid_blocks, lists.nlist, nprobe, int(lists.by_residual),
+                     lists.max_norm, lists.codes, lists.ids, lists.sizes, store.offsets,
+                     store.offset_width, store.stream, store.token_width, store.stream_len,
+                     store.doc_starts, store.documents, store.value_len)
+    plan.arrays = lists.arrays
+    return plan, ctypes.addressof(plan)
+
+
+def dense_neighbour_rows(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: int, bonus: int,
+                         draft_len: int) -> np.ndarray:
+    """`dense_key`, `ivf_search` and `dense_drafts` in one call: the drafts of the k nearest
+    entries to hidden state `hidden` [d] (bf16 or float32, on the CPU) whose value starts with
+    `bonus`, as `dense_drafts` gives them (int32 [kept, draft_len])."""
+    if hidden.dtype not in (torch.bfloat16, torch.float32):
+        hidden = hidden.float()
+    hidden = hidden.contiguous()
+    rows = np.empty((k, draft_len), dtype=np.int32)
+    kept = kernel().dresd_dense_neighbour_rows(plan[1], hidden.data_ptr(),
+                                               int(hidden.dtype == torch.bfloat16), k, bonus,
+                                               draft_len, address(rows))
+    if kept < 0:
+        raise MemoryError("the DReSD query kernel ran out of memory")
+    return rows[:kept]
