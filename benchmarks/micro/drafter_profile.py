@@ -53,6 +53,7 @@ PROBES = {
     "dresd.drafters.dense:agreeing_prefixes": "  dresd: agreeing_prefixes",
     "dresd.drafters.prefixes:padded_prefix_tree": "  dresd: node budget (prefix tree)",
     "dresd.kernels.drafting:dense_drafts": "    dresd: drafts from the store, in C",
+    "dresd.kernels.drafting:dense_neighbour_rows": "    dresd: key, search, drafts: one C call",
     "dresd.drafters.hybrid:HybridDrafter._learn": "  hybrid: learn (table, ledger)",
     "dresd.drafters.hybrid:HybridDrafter._learn_merge_and_cut": "  hybrid: learn, merge, cut",
     "dresd.kernels.drafting:HybridTree.observe": "    hybrid: learn, in C",

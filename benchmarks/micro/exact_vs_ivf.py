@@ -7,6 +7,8 @@ measures both on the index types `dresd build` writes (`datastore/index.py`: `Ex
 IVF with fp16 codes and nprobe 8, the demo store's), on unit keys around 2,000 random centres
 (hidden states cluster), with a 64 MB buffer read between queries as a forward would (so every
 query starts cold), and reports the per-query time at each size: where `auto` should switch.
+The IVF index is timed twice: as `FaissIndex` searches one query (the drafting kernel's search
+of FAISS's lists, `drafting.ivf_search`), and through FAISS itself (`faiss_ivf_*`).
 
     PYTHONPATH=src .venv/bin/python benchmarks/micro/exact_vs_ivf.py \\
         --out benchmarks/results/exact_vs_ivf.json
@@ -34,6 +36,16 @@ def keys_of(n: int, rng: np.random.Generator) -> np.ndarray:
     centres = rng.normal(size=(CENTRES, DIM)).astype(np.float32)
     keys = centres[rng.integers(0, CENTRES, n)] + rng.normal(size=(n, DIM)).astype(np.float32)
     return (keys / np.linalg.norm(keys, axis=1, keepdims=True)).astype(np.float16)
+
+
+class FaissOnly:
+    """An IVF index searched by FAISS alone, one query as `faiss_search` makes the call."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return key_index.faiss_search(self.index, queries, k)
 
 
 def per_query_us(index, queries: np.ndarray, k: int, evict: np.ndarray | None) -> float:
@@ -70,13 +82,16 @@ def main() -> None:
             exact = key_index.ExactIndex.open(folder)
             settings = key_index.build_ivf(keys, folder)
             ivf = key_index.FaissIndex.open(folder, settings["nprobe"])
+            faiss_only = FaissOnly(ivf.index)
             for k in args.k:
                 row = {"entries": n, "k": k, "nlist": settings["nlist"],
                        "nprobe": settings["nprobe"], "recall_at_10": settings["recall_at_10"],
                        "exact_us_cold": per_query_us(exact, queries, k, evict),
                        "ivf_us_cold": per_query_us(ivf, queries, k, evict),
+                       "faiss_ivf_us_cold": per_query_us(faiss_only, queries, k, evict),
                        "exact_us_warm": per_query_us(exact, queries, k, None),
-                       "ivf_us_warm": per_query_us(ivf, queries, k, None)}
+                       "ivf_us_warm": per_query_us(ivf, queries, k, None),
+                       "faiss_ivf_us_warm": per_query_us(faiss_only, queries, k, None)}
                 rows.append(row)
                 print(json.dumps(row))
     report = {"cpu": cpu_model(), "threads": 1, "load_average": os.getloadavg(),
