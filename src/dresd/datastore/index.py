@@ -106,19 +106,19 @@ def faiss_search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.nda
 
 
 class FaissIndex:
-    """A FAISS index opened memory-mapped; `nprobe` applies to IVF indexes. One query goes to
-    the drafting kernel's search of the same lists where it reads them (`drafting.ivf_lists`:
-    fp16 codes, inner product, nprobe <= 32): the same lists probed, the same scores up to the
-    order of a sum's terms, at ~45 us where FAISS takes ~60-100 with the caches a forward leaves
-    (`benchmarks/micro/ivf_search.py`)."""
+    """A FAISS index opened memory-mapped; `nprobe` applies to IVF indexes. `lists`: its lists
+    as the drafting kernel reads them (`drafting.ivf_lists`: fp16 codes, inner product, nprobe
+    <= 32; else None), for DReSD's query in one C call (`DenseDrafter`). Searched alone, the
+    kernel costs what FAISS does with the caches a forward leaves
+    (`benchmarks/results/exact_vs_ivf.json`), so `search` stays FAISS's."""
 
     def __init__(self, index, nprobe: int | None = None) -> None:
         self.index = index
         if nprobe is not None:
             index.nprobe = nprobe
         self.nprobe = int(getattr(index, "nprobe", 0))
-        lists = drafting.ivf_lists(index) if 1 <= self.nprobe <= drafting.MAX_PROBES else None
-        self.lists = lists  # None: FAISS searches every query
+        self.lists = (drafting.ivf_lists(index) if 1 <= self.nprobe <= drafting.MAX_PROBES
+                      else None)
 
     @classmethod
     def open(cls, folder: Path, nprobe: int | None) -> FaissIndex:
@@ -127,11 +127,6 @@ class FaissIndex:
         return cls(faiss.read_index(str(folder / IVF_FILE), faiss.IO_FLAG_MMAP_IFC), nprobe)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if (self.lists is not None and queries.ndim == 2 and len(queries) == 1
-                and drafting.kernel() is not None):
-            query = np.ascontiguousarray(queries[0], dtype=np.float32)
-            scores, ids = drafting.ivf_search(query, self.lists, self.nprobe, k)
-            return scores[None, :], ids[None, :]
         return faiss_search(self.index, queries, k)
 
 

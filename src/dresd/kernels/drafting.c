@@ -861,11 +861,12 @@ int dresd_prompt_lookup(const int64_t *tokens, int64_t len, int max_ngram, int m
  *   score(e)   = <q, code(e)> (+ coarse(l) where the codes hold e's residual from its list's
  *                centroid, `by_residual`)                for every entry e of a probed list
  *
- * and the k entries of highest score, best first: FAISS's search of the same index. Its own
- * search of one query costs ~60-100 us with the caches a forward leaves, ~30 of them reading the
- * centroids (nlist x dim floats, 305 KB for the demo store). So the coarse pass reads a half-
- * precision copy instead, in blocks of 32 centroids ([block][dim][32], `centroid_blocks`),
- * and re-scores its best in float32: every list whose half-precision score lies within twice
+ * and the k entries of highest score, best first: FAISS's search of the same index. Called alone
+ * from Python it costs about what FAISS's does with the caches a forward leaves (~45-70 us,
+ * `benchmarks/results/exact_vs_ivf.json`); what it buys is DReSD's query as one call
+ * (`dresd_dense_neighbour_rows`). The coarse pass reads the centroids at half precision (half
+ * the bytes), in blocks of 32 centroids ([block][dim][32], `centroid_blocks`), and re-scores
+ * its best in float32: every list whose half-precision score lies within twice
  * the rounding bound of the nprobe-th best is re-scored exactly, so the lists probed are the
  * ones a float32 pass picks (`rounding_bound`: |q . c - q . half(c)| <= 2^-11 sum_i |q_i c_i|
  * <= 2^-11 |q| |c|, each half's relative rounding being at most 2^-11).
@@ -1062,8 +1063,9 @@ int dresd_ivf_search(const float *query, int dim, const float *centroids,
 
 /* DReSD's whole query in one call, where the store's index is one `dresd_ivf_search` reads:
  * the key of the hidden state (`dresd_dense_key`), its k nearest entries, and their drafts
- * (`dresd_dense_drafts`). From Python these were three calls, each ~20 us with the caches a
- * forward leaves whatever its work (argument conversions, output arrays). `plan`: what stays
+ * (`dresd_dense_drafts`). From Python these were three calls, each 10-20 us with the caches a
+ * forward leaves whatever its work (a ctypes call of 7-14 arguments ~9-11 us, a numpy output
+ * array ~4, a trivial Python call ~2; FAISS's wrapper more). `plan`: what stays
  * the same from call to call, set once (`drafting.DensePlan`). Returns the rows written, or
  * < 0 as `dresd_ivf_search` does. */
 struct dense_plan {
