@@ -373,7 +373,8 @@ def test_the_kernel_reads_the_neighbours_drafts_as_numpy_does(store, request, mo
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")
 def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
     """Key, IVF search and drafts in one kernel call (`dense_neighbour_rows`) give the rows
-    that the three calls give one after the other, from bf16 and float32 states."""
+    that the three calls give one after the other, from bf16 and float32 states; with the
+    agreeing prefixes too (`dense_candidates`), the candidates of those rows."""
     drafter = DenseDrafter(str(ivf_datastore), k=50)
     assert drafter._query_in_c is not None  # an IVF store with fp16 codes: one call
     store, rng = drafter.store, np.random.default_rng(0)
@@ -389,6 +390,8 @@ def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
         expected = drafting.dense_drafts(ids[0], drafter._store_in_c, bonus, draft_len)
         rows = drafting.dense_neighbour_rows(drafter._query_in_c, state, 50, bonus, draft_len)
         assert np.array_equal(rows, expected)
+        assert (drafting.dense_candidates(drafter._query_in_c, state, 50, bonus, draft_len)
+                == drafting.agreeing_prefixes(expected))
         compared += len(rows)
     assert compared >= 60
 

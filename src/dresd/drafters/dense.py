@@ -216,11 +216,9 @@ class DenseDrafter(DenseOptions, Drafter):
             return padded(self._learned_neighbours(context.hidden_state, bonus, draft_len),
                           draft_len)
         store = self.store
-        state = context.hidden_state
-        if (self._query_in_c is not None and isinstance(state, torch.Tensor) and state.is_cpu
-                and drafting.kernel() is not None):
-            return drafting.dense_neighbour_rows(self._query_in_c, state, self.k, bonus,
-                                                 draft_len)
+        if self._in_one_call(context.hidden_state):
+            return drafting.dense_neighbour_rows(self._query_in_c, context.hidden_state,
+                                                 self.k, bonus, draft_len)
         if self._store_in_c is not None:  # it skips the index's -1 padding itself
             ids = store.search(context.hidden_state, self.k, padded=True)
             return drafting.dense_drafts(ids, self._store_in_c, bonus, draft_len)
@@ -247,10 +245,21 @@ class DenseDrafter(DenseOptions, Drafter):
         draft_len = min(self.draft_len, context.max_draft_len)
         if draft_len < 1:
             return []
+        if self._in_one_call(context.hidden_state):
+            found = drafting.dense_candidates(self._query_in_c, context.hidden_state, self.k,
+                                              int(context.token_ids[-1]), draft_len)
+            return [Candidate(draft, neighbours=count) for draft, count in found]
         rows = self.neighbour_rows(context, draft_len)
         found = (drafting.agreeing_prefixes(rows) if drafting.kernel() is not None
                  else agreeing_prefixes(unpadded(rows)).items())
         return [Candidate(list(draft), neighbours=count) for draft, count in found]
+
+    def _in_one_call(self, state: torch.Tensor | np.ndarray) -> bool:
+        """Whether the query runs as one kernel call: a plan (an IVF store with fp16 codes, the
+        kernel compiled), no learned outputs to merge, and a state on the CPU."""
+        return (self._query_in_c is not None and isinstance(state, torch.Tensor) and state.is_cpu
+                and (self.learned is None or self.learned.index is None)
+                and drafting.kernel() is not None)
 
     def _learned_neighbours(self, state: torch.Tensor, bonus: int, draft_len: int
                             ) -> list[list[int]]:

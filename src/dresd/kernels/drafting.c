@@ -1104,3 +1104,30 @@ int dresd_dense_neighbour_rows(const struct dense_plan *plan, const void *hidden
     free(found);
     return status;
 }
+
+/* DReSD's candidates for hybrid in the same call: `dresd_dense_neighbour_rows`, then their
+ * agreeing prefixes (`dresd_agreeing_prefixes`), written as one record: the number of
+ * candidates, then for each its length, its count and its token ids. `record` holds
+ * 1 + k * (draft_len + 2) values. Returns the values written, or < 0 as the query does. */
+int dresd_dense_candidates(const struct dense_plan *plan, const void *hidden, int hidden_bf16,
+                           int k, int64_t bonus, int draft_len, int32_t *record) {
+    int32_t *rows = malloc(sizeof(int32_t) * ((int64_t)k * draft_len + 2 * (int64_t)k));
+    if (!rows) return -2;
+    int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
+    int kept = dresd_dense_neighbour_rows(plan, hidden, hidden_bf16, k, bonus, draft_len, rows);
+    int groups = kept < 0 ? kept : dresd_agreeing_prefixes(rows, kept, draft_len, lengths, counts);
+    if (groups < 0) {
+        free(rows);
+        return kept < 0 ? kept : -2;
+    }
+    int64_t at = 0;
+    record[at++] = groups;
+    for (int g = 0; g < groups; g++) {
+        record[at++] = lengths[g];
+        record[at++] = counts[g];
+        memcpy(record + at, rows + (int64_t)g * draft_len, sizeof(int32_t) * lengths[g]);
+        at += lengths[g];
+    }
+    free(rows);
+    return (int)at;
+}

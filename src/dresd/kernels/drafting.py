@@ -75,6 +75,8 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_dense_neighbour_rows.argtypes = [pointer, pointer, i32, i32, i64, i32,
                                                    pointer]
     library.dresd_dense_neighbour_rows.restype = i32
+    library.dresd_dense_candidates.argtypes = [pointer, pointer, i32, i32, i64, i32, pointer]
+    library.dresd_dense_candidates.restype = i32
     return library
 
 
@@ -460,3 +462,25 @@ def dense_neighbour_rows(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: i
     if kept < 0:
         raise MemoryError("the DReSD query kernel ran out of memory")
     return rows[:kept]
+
+
+def dense_candidates(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: int, bonus: int,
+                     draft_len: int) -> list[tuple[list[int], int]]:
+    """`dense_neighbour_rows` and `agreeing_prefixes` in one call: (draft, count) pairs in
+    `agreeing_prefixes`' order, read from one int32 record."""
+    if hidden.dtype not in (torch.bfloat16, torch.float32):
+        hidden = hidden.float()
+    hidden = hidden.contiguous()
+    record = np.empty(1 + k * (draft_len + 2), dtype=np.int32)
+    written = kernel().dresd_dense_candidates(plan[1], hidden.data_ptr(),
+                                              int(hidden.dtype == torch.bfloat16), k, bonus,
+                                              draft_len, address(record))
+    if written < 0:
+        raise MemoryError("the DReSD query kernel ran out of memory")
+    values = record[:written].tolist()
+    found, at = [], 1
+    for _ in range(values[0]):
+        length, count = values[at], values[at + 1]
+        found.append((values[at + 2 : at + 2 + length], count))
+        at += 2 + length
+    return found
