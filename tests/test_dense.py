@@ -70,6 +70,15 @@ def ivf_datastore(tmp_path_factory, default_target, id_corpus):
     return build_id_store(tmp_path_factory.mktemp("stores"), default_target, id_corpus, "ivf")
 
 
+@pytest.fixture(scope="module")
+def ivf_sparse_datastore(tmp_path_factory, default_target, id_corpus):
+    """An IVF store with a suffix array beside it: hybrid's four sources."""
+    return dense.build_dense(default_target, CorpusSpec([str(id_corpus)]),
+                             tmp_path_factory.mktemp("stores") / "both",
+                             dense.DenseBuildConfig(pca_dim=16, index="ivf", **SMALL_BUILD),
+                             progress=False, with_sparse=True)
+
+
 def test_regenerate_writes_one_response_per_prompt_and_resumes(id_corpus, default_target):
     rows = [json.loads(line) for line in id_corpus.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
@@ -394,6 +403,47 @@ def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
                 == drafting.agreeing_prefixes(expected))
         compared += len(rows)
     assert compared >= 60
+
+
+@pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")
+def test_hybrids_step_in_one_call_is_its_sources_one_by_one(ivf_sparse_datastore,
+                                                            default_target):
+    """Hybrid's step as one kernel call (PLD, suffix, REST and DReSD looked up in C, then
+    learn, merge and cut) drafts at every step of real generations what it drafts asking its
+    sources one by one, the suffix drafter's trie of earlier outputs included (from the second
+    prompt on), and learns the same acceptance counts."""
+    settings = GenerationSettings(max_new_tokens=64)
+    flat = {1: 1.0, 16: 1.2, 64: 2.0}
+    runner = MethodRunner(default_target, "hybrid", settings, datastore=str(ivf_sparse_datastore),
+                          cost=flat)
+    fused = runner.drafter
+    apart = MethodRunner(default_target, "hybrid", settings,
+                         datastore=str(ivf_sparse_datastore), cost=flat).drafter
+    assert set(fused.sources) == {"pld", "suffix", "rest", "dresd"}
+    assert fused._step_plan is not None
+    apart._step_plan = None  # a source at a time
+    for drafter in (fused, apart):
+        drafter.skip_sources = False  # the kernel's clock is not the drafter's: no verdicts
+    steps, global_steps = 0, 0
+
+    def propose(context, propose=fused.propose):
+        nonlocal steps, global_steps
+        drafts = propose(context)
+        assert drafts == apart.propose(context)
+        steps += 1
+        global_steps += bool(fused.sources["suffix"].cached)
+        return drafts
+
+    def observe(prompt, output, hidden_states=None, observe=fused.observe):
+        observe(prompt, output, hidden_states)
+        apart.observe(prompt, output, hidden_states)
+
+    fused.propose, fused.observe = propose, observe
+    for prompt in PROMPTS:
+        runner.generate(encode_prompt(default_target.tokenizer, prompt))
+    assert steps >= 40 and global_steps >= 20
+    assert isinstance(fused.last.tree, drafting.HybridTree)
+    assert fused.table.counts == apart.table.counts
 
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")

@@ -52,6 +52,7 @@ hurts); `prior_strength` = 4 observations, so a few steps of this workload overr
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import json
 import math
@@ -64,6 +65,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from dresd.calibrate import cached_step_seconds, cost_table, load_or_measure
 from dresd.datastore.format import read_manifest
@@ -487,12 +489,17 @@ class HybridDrafter(HybridOptions, Drafter):
         self.costs = np.zeros(0)
         self.clock = time.perf_counter
         self.steps, self.last = 0, None
+        # the sources as one kernel call reads them (`_step_in_c`), and the ones it was made for
+        self._step_plan = self._plan_step()
+        self._step_sources = tuple(self.sources.values())
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
         own last step and its sources' own per-request state."""
         forked = copy.copy(self)
         forked.sources = {name: source.fork() for name, source in self.sources.items()}
+        # the same options and stores as the plan's (else no plan: `_planned_sources` says no)
+        forked._step_sources = tuple(forked.sources.values()) if self._planned_sources() else ()
         forked.last, forked.steps = None, 0
         return forked
 
@@ -517,16 +524,22 @@ class HybridDrafter(HybridOptions, Drafter):
         self.steps += 1
         skip = (self.ledger.to_skip(self.steps, context.batch_size)
                 if self.skip_sources and self.step_seconds else None)
-        gathered, source_seconds = [], {}
         draft_len = min(self.draft_len, context.max_draft_len)
-        for name, source in self.sources.items() if draft_len >= 1 else []:
-            if name == skip:
-                continue
-            source_started = self.clock()
-            gathered.append((name, source.candidates(context)))
-            source_seconds[name] = self.clock() - source_started
-        tree, drafts, verified, lost = self._learn_merge_and_cut(last, emitted, gathered,
-                                                                 draft_len)
+        # Steps 1-4 in one kernel call where every source has its lookup there, else a call per
+        # source and one for the rest.
+        stepped = self._step_in_c(context, last, emitted, skip, draft_len)
+        if stepped is not None:
+            tree, drafts, verified, lost, source_seconds = stepped
+        else:
+            gathered, source_seconds = [], {}
+            for name, source in self.sources.items() if draft_len >= 1 else []:
+                if name == skip:
+                    continue
+                source_started = self.clock()
+                gathered.append((name, source.candidates(context)))
+                source_seconds[name] = self.clock() - source_started
+            tree, drafts, verified, lost = self._learn_merge_and_cut(last, emitted, gathered,
+                                                                     draft_len)
         if last is not None:
             self._record(last, lost, emitted)
         length = len(context.token_ids)
@@ -571,6 +584,92 @@ class HybridDrafter(HybridOptions, Drafter):
             None if last is None else last.tree, emitted, len(table.names))
         # a plain dict: building a Counter costs ~9 us with the caches a forward leaves
         return tree, drafts, kept, {table.names[bit]: n for bit, n in enumerate(by_bit) if n >= 0}
+
+    def _step_in_c(self, context: DraftContext, last: LastStep | None, emitted: list[int],
+                   skip: str | None, draft_len: int
+                   ) -> tuple[Tree, list[Draft], int, dict[str, int], dict[str, float]] | None:
+        """`propose`'s steps 1-4 in one kernel call (`drafting.hybrid_step`): the sources'
+        lookups, the learning, merge and cut. None where it cannot: the sources are not the
+        ones its plan was made for (`_plan_step`), or DReSD has no state on the CPU. Each
+        source's seconds are the kernel's clock's."""
+        plan = self._step_plan
+        if not self._planned_sources() or draft_len < 1 or drafting.kernel() is None:
+            return None
+        state = context.hidden_state
+        names = [name for name in self.sources if name != skip]
+        if "dresd" in names and not (isinstance(state, torch.Tensor) and state.is_cpu):
+            return None
+        table = self.table
+        kinds = array("i", [drafting.SOURCE_KINDS[name] for name in names])
+        bits = array("q", [1 << table.bit(name) for name in names])
+        suffix = self.sources.get("suffix")
+        suffix_global = None
+        if "suffix" in names and suffix.learn and suffix.cached:  # its trie of earlier outputs
+            tail = context.token_ids[-(suffix.max_depth - 1) :].tolist()
+            grown = suffix.best_tree(suffix.global_trie, tail, context.max_draft_len)
+            paths = grown.paths()
+            offsets = array("q", [0])
+            tokens, shares = array("q"), array("d")
+            for path, path_shares in paths:
+                tokens.extend(path)
+                shares.extend(path_shares)
+                offsets.append(len(tokens))
+            suffix_global = (tokens, offsets, shares, grown.score)
+        costs, max_nodes = self._budget()
+        tree, drafts, kept, by_bit, seconds = drafting.hybrid_step(
+            plan, kinds, bits, np.ascontiguousarray(context.token_ids, dtype=np.int64),
+            state if "dresd" in names else None, draft_len, context.max_draft_len,
+            suffix_global, table.accepted, table.tried, table.priors, table.prior_strength,
+            costs, max_nodes, None if last is None else last.tree, emitted, len(table.names))
+        lost = {table.names[bit]: n for bit, n in enumerate(by_bit) if n >= 0}
+        return tree, drafts, kept, lost, dict(zip(names, seconds, strict=False))
+
+    def _planned_sources(self) -> bool:
+        """Whether `_step_plan` is made for the sources this drafter has now (a test may swap
+        them)."""
+        return (self._step_plan is not None and len(self.sources) == len(self._step_sources)
+                and all(a is b for a, b in zip(self.sources.values(), self._step_sources,
+                                               strict=True)))
+
+    def _plan_step(self) -> drafting.StepSources | None:
+        """What `_step_in_c` reads of the sources, once; None where a source has no lookup in
+        the kernel (no kernel; REST or DReSD keeping outputs in memory, or DReSD's store not
+        an IVF index the kernel searches)."""
+        if drafting.kernel() is None or not set(self.sources) <= set(drafting.SOURCE_KINDS):
+            return None
+        plan = drafting.HybridSources()
+        most, keep = 0, None
+        for name, source in self.sources.items():
+            if name == "pld" and isinstance(source, PromptLookupDrafter):
+                plan.pld_max_ngram, plan.pld_min_ngram = source.max_ngram, source.min_ngram
+                plan.pld_num_drafts = source.num_drafts
+                most += source.num_drafts
+            elif name == "suffix" and isinstance(source, SuffixDrafter):
+                plan.suffix_max_depth, plan.suffix_max_nodes = (source.max_depth,
+                                                                source.max_tree_nodes)
+                plan.suffix_single_path = int(not source.tree)
+                plan.suffix_factor, plan.suffix_offset = (source.max_spec_factor,
+                                                          source.max_spec_offset)
+                plan.suffix_min_prob = source.min_token_prob
+                most += source.max_tree_nodes
+            elif (name == "rest" and isinstance(source, RestDrafter)
+                  and source._index_in_c is not None and source.learned is None):
+                index = source._index_in_c
+                (plan.rest_symbols, plan.rest_symbols_bytes, plan.rest_symbol_width,
+                 plan.rest_suffix_array, plan.rest_wide, plan.rest_suffixes,
+                 plan.rest_symbol_of, plan.rest_table_len, plan.rest_alphabet) = index
+                plan.rest_min_suffix, plan.rest_max_suffix = source.min_suffix, source.max_suffix
+                plan.rest_max_matches, plan.rest_max_nodes = (source.max_matches,
+                                                              source.max_tree_nodes)
+                most += source.max_tree_nodes
+            elif (name == "dresd" and isinstance(source, DenseDrafter)
+                  and source._query_in_c is not None and source.learned is None):
+                keep = source._query_in_c
+                plan.dense, plan.dense_k = keep[1], source.k
+                most += source.k
+            else:
+                return None
+        return drafting.StepSources(plan, ctypes.addressof(plan), most * self.draft_len, keep)
 
     def _budget(self) -> tuple[np.ndarray, int]:
         """(cost(t) for every tree size it may keep, `cost_table`; the most nodes it keeps)."""

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     double prob;
@@ -1130,4 +1131,203 @@ int dresd_dense_candidates(const struct dense_plan *plan, const void *hidden, in
     }
     free(rows);
     return (int)at;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Hybrid's whole step in one call, where each of its sources has its lookup here: PLD's, the
+ * suffix drafter's tree over the request, REST's and DReSD's, each source's candidates as
+ * `Drafter.candidates` gives them, then `dresd_hybrid_draft`. From Python the same step is one
+ * call per source, each with its arrays in and lists out (~25-30 us a source with the caches a
+ * forward leaves, most of it Python), and Python building the candidates' arrays (~15 us).
+ * ------------------------------------------------------------------------------------------- */
+
+enum { SOURCE_PLD, SOURCE_SUFFIX, SOURCE_REST, SOURCE_DENSE };
+
+/* What stays the same from step to step (`drafting.HybridSources`, field for field). */
+struct hybrid_sources {
+    int64_t pld_max_ngram, pld_min_ngram, pld_num_drafts;
+    int64_t suffix_max_depth, suffix_max_nodes, suffix_single_path;
+    double suffix_factor, suffix_offset, suffix_min_prob;
+    const uint8_t *rest_symbols;
+    int64_t rest_symbols_bytes, rest_symbol_width;
+    const void *rest_suffix_array;
+    int64_t rest_wide, rest_suffixes;
+    const int64_t *rest_symbol_of;
+    int64_t rest_table_len;
+    const int64_t *rest_alphabet;
+    int64_t rest_min_suffix, rest_max_suffix, rest_max_matches, rest_max_nodes;
+    const struct dense_plan *dense;
+    int64_t dense_k;
+};
+
+/* The candidates of one step, as `dresd_hybrid_draft` takes them. */
+typedef struct {
+    int64_t *tokens, *offsets, *sources, *neighbours;
+    double *shares;
+    int count;
+} Candidates;
+
+static void add_candidate(Candidates *c, const int32_t *tokens, int length, int64_t source,
+                          int64_t neighbours, const double *shares) {
+    int64_t at = c->offsets[c->count];
+    for (int i = 0; i < length; i++) {
+        c->tokens[at + i] = tokens[i];
+        c->shares[at + i] = shares ? shares[i] : NAN;
+    }
+    c->sources[c->count] = source;
+    c->neighbours[c->count] = neighbours;
+    c->offsets[++c->count] = at + length;
+}
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* The suffix source's candidates: the request tree's root-to-leaf paths (leaves in the order
+ * they were added), each token with its share prob(node) / prob(parent), as
+ * `SpeculationTree.paths` gives them; or, where the global trie's tree scores higher (`global`:
+ * its paths, given), those. */
+static int suffix_candidates(const struct hybrid_sources *s, const int64_t *context, int64_t n,
+                             int max_len, const int64_t *global_tokens,
+                             const int64_t *global_offsets, const double *global_shares,
+                             int global_count, double global_score, int64_t bit,
+                             Candidates *out) {
+    int max_nodes = (int)s->suffix_max_nodes;
+    int32_t *tokens = malloc(max_nodes * (3 * sizeof(int32_t) + 2 * sizeof(double)) + 8);
+    if (!tokens) return -1;
+    int32_t *parents = tokens + max_nodes, *path = parents + max_nodes;
+    double *probs = (double *)(((uintptr_t)(path + max_nodes) + 7) & ~(uintptr_t)7);
+    double *shares = probs + max_nodes;
+    int32_t match_len;
+    int count = dresd_suffix_context_tree(context, n, (int)s->suffix_max_depth, s->suffix_factor,
+                                          s->suffix_offset, max_nodes, s->suffix_min_prob,
+                                          max_len, (int)s->suffix_single_path, tokens, parents,
+                                          probs, &match_len);
+    if (count < 0) {
+        free(tokens);
+        return -1;
+    }
+    double score = 0.0;
+    for (int i = 0; i < count; i++) score += probs[i];
+    if (global_count >= 0 && global_score > score) {
+        for (int c = 0; c < global_count; c++) {
+            int length = (int)(global_offsets[c + 1] - global_offsets[c]);
+            for (int i = 0; i < length; i++) path[i] = (int32_t)global_tokens[global_offsets[c] + i];
+            add_candidate(out, path, length, bit, 0, global_shares + global_offsets[c]);
+        }
+        free(tokens);
+        return 0;
+    }
+    uint8_t has_child[max_nodes > 0 ? max_nodes : 1];
+    memset(has_child, 0, sizeof has_child);
+    for (int i = 0; i < count; i++)
+        if (parents[i] >= 0) has_child[parents[i]] = 1;
+    for (int leaf = 0; leaf < count; leaf++) {
+        if (has_child[leaf]) continue;
+        int length = 0;
+        for (int node = leaf; node >= 0; node = parents[node]) length++;
+        int at = length;
+        for (int node = leaf; node >= 0; node = parents[node]) {
+            at--;
+            path[at] = tokens[node];
+            shares[at] = probs[node] / (parents[node] >= 0 ? probs[parents[node]] : 1.0);
+        }
+        add_candidate(out, path, length, bit, 0, shares);
+    }
+    free(tokens);
+    return 0;
+}
+
+/* One hybrid step: the sources `kinds[0..sources)` (SOURCE_*, in hybrid's order, each with its
+ * table bit in `bits`) consulted on the context (`context`, n tokens; `hidden`: its last state,
+ * for DReSD), each one's seconds written to `seconds`, their candidates merged and cut by
+ * `dresd_hybrid_draft` (whose arguments follow, as hybrid passes them). `draft_len`: the
+ * sources' draft length (hybrid's, cut to the tokens left: `max_draft_len`). `global_*`: the
+ * suffix drafter's tree of its global trie, where it has one (global_count -1: none). Returns
+ * what `dresd_hybrid_draft` returns, -1 out of memory or room. */
+int dresd_hybrid_step(const struct hybrid_sources *s, const int32_t *kinds, const int64_t *bits,
+                      int sources, const int64_t *context, int64_t n, const void *hidden,
+                      int hidden_bf16, int draft_len, int max_draft_len,
+                      const int64_t *global_tokens, const int64_t *global_offsets,
+                      const double *global_shares, int global_count, double global_score,
+                      double *seconds, const int32_t *last_tree, int last_capacity,
+                      const int64_t *emitted, int emitted_count, int num_sources, int32_t *tree,
+                      int capacity, double *accepted, double *tried, const double *prior,
+                      double strength, const double *costs, int max_nodes, int32_t *record) {
+    /* room: every source's candidates at their longest */
+    int64_t most = 0, most_tokens = 0;
+    for (int i = 0; i < sources; i++) {
+        int64_t count = kinds[i] == SOURCE_PLD ? s->pld_num_drafts
+                      : kinds[i] == SOURCE_SUFFIX ? s->suffix_max_nodes
+                                                    + (global_count > 0 ? global_count : 0)
+                      : kinds[i] == SOURCE_REST ? s->rest_max_nodes : s->dense_k;
+        int64_t length = kinds[i] == SOURCE_SUFFIX ? s->suffix_max_depth + max_draft_len
+                                                   : draft_len;
+        most += count;
+        most_tokens += count * length;
+    }
+    if (global_count > 0) most_tokens += global_offsets[global_count];
+    Candidates c = {0};
+    c.tokens = malloc(sizeof(int64_t) * (most_tokens + 3 * most + 2) + sizeof(double) * (most_tokens + 1));
+    int32_t *rows = malloc(sizeof(int32_t) * (most_tokens + 3 * most + 2));
+    if (!c.tokens || !rows) {
+        free(c.tokens);
+        free(rows);
+        return -1;
+    }
+    c.offsets = c.tokens + most_tokens + 1;
+    c.sources = c.offsets + most + 1;
+    c.neighbours = c.sources + most;
+    c.shares = (double *)(c.neighbours + most);
+    c.offsets[0] = 0;
+    int status = 0;
+    for (int i = 0; i < sources && status >= 0; i++) {
+        double started = seconds_now();
+        if (kinds[i] == SOURCE_PLD && n > 0) {
+            int32_t *lengths = rows + s->pld_num_drafts * draft_len;
+            int found = dresd_prompt_lookup(context, n, (int)s->pld_max_ngram,
+                                            (int)s->pld_min_ngram, draft_len,
+                                            (int)s->pld_num_drafts, rows, lengths);
+            for (int d = 0; d < found; d++)
+                add_candidate(&c, rows + (int64_t)d * draft_len, lengths[d], bits[i], 0, NULL);
+        } else if (kinds[i] == SOURCE_SUFFIX) {
+            status = suffix_candidates(s, context, n, max_draft_len, global_tokens,
+                                       global_offsets, global_shares, global_count,
+                                       global_score, bits[i], &c);
+        } else if (kinds[i] == SOURCE_REST) {
+            int64_t tail = n < s->rest_max_suffix ? n : s->rest_max_suffix;
+            int32_t *lengths = rows + s->rest_max_nodes * draft_len;
+            int found = dresd_rest_lookup(
+                s->rest_symbols, s->rest_symbols_bytes, (int)s->rest_symbol_width,
+                s->rest_suffix_array, (int)s->rest_wide, s->rest_suffixes, context + n - tail,
+                tail, s->rest_symbol_of, s->rest_table_len, s->rest_alphabet,
+                (int)s->rest_min_suffix, (int)s->rest_max_matches, draft_len,
+                (int)s->rest_max_nodes, rows, lengths);
+            if (found < 0) status = -1;
+            for (int d = 0; d < found; d++)
+                add_candidate(&c, rows + (int64_t)d * draft_len, lengths[d], bits[i], 0, NULL);
+        } else if (kinds[i] == SOURCE_DENSE) {
+            int k = (int)s->dense_k;
+            int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
+            int kept = dresd_dense_neighbour_rows(s->dense, hidden, hidden_bf16, k,
+                                                  context[n - 1], draft_len, rows);
+            int groups = kept < 0 ? kept : dresd_agreeing_prefixes(rows, kept, draft_len,
+                                                                    lengths, counts);
+            if (groups < 0) status = -1;
+            for (int g = 0; g < groups; g++)
+                add_candidate(&c, rows + (int64_t)g * draft_len, lengths[g], bits[i], counts[g],
+                              NULL);
+        }
+        seconds[i] = seconds_now() - started;
+    }
+    if (status >= 0)
+        status = dresd_hybrid_draft(last_tree, last_capacity, emitted, emitted_count,
+                                    num_sources, tree, capacity, c.tokens, c.offsets, c.count,
+                                    c.sources, c.neighbours, c.shares, draft_len, accepted,
+                                    tried, prior, strength, costs, max_nodes, record);
+    free(c.tokens);
+    free(rows);
+    return status;
 }

@@ -77,6 +77,12 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_dense_neighbour_rows.restype = i32
     library.dresd_dense_candidates.argtypes = [pointer, pointer, i32, i32, i64, i32, pointer]
     library.dresd_dense_candidates.restype = i32
+    library.dresd_hybrid_step.argtypes = [pointer, pointer, pointer, i32, pointer, i64, pointer,
+                                          i32, i32, i32, pointer, pointer, pointer, i32, f64,
+                                          pointer, pointer, i32, pointer, i32, i32, pointer,
+                                          i32, pointer, pointer, pointer, f64, pointer, i32,
+                                          pointer]
+    library.dresd_hybrid_step.restype = i32
     return library
 
 
@@ -164,29 +170,41 @@ class HybridTree:
         The candidates come as `array`s (int64 'q', shares float64 'd'), which Python fills
         and hands over at half numpy's cost with the caches a forward leaves (~2 us an array
         against ~4); the outputs come back in one int32 record, read with one call."""
-        tree = cls.__new__(cls)
-        capacity = tree.capacity = len(tokens) + 1
-        tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
-        # the kernel's record: nodes, kept, lost per source, then (length, tokens...) per path
-        record = np.empty(2 + num_sources + max_nodes * (max(max_len, 0) + 1), dtype=np.int32)
+        tree, record = cls._room(len(tokens) + 1, num_sources, max_nodes, max_len)
         emitted = array("q", emitted)  # named, so that it lives until the call returns
         written = kernel().dresd_hybrid_draft(
             None if last is None else address(last.block), 0 if last is None else last.capacity,
-            emitted.buffer_info()[0], len(emitted), num_sources, address(tree.block), capacity,
-            tokens.buffer_info()[0], offsets.buffer_info()[0], len(offsets) - 1,
+            emitted.buffer_info()[0], len(emitted), num_sources, address(tree.block),
+            tree.capacity, tokens.buffer_info()[0], offsets.buffer_info()[0], len(offsets) - 1,
             sources.buffer_info()[0], neighbours.buffer_info()[0], shares.buffer_info()[0],
             max_len, address(accepted), address(tried), address(prior), strength,
             address(costs), max_nodes, address(record))
+        return (tree, *tree._read(record, written, num_sources))
+
+    @classmethod
+    def _room(cls, capacity: int, num_sources: int, max_nodes: int, max_len: int
+              ) -> tuple[HybridTree, np.ndarray]:
+        """A tree of `capacity` nodes for the kernel to fill, and its record."""
+        tree = cls.__new__(cls)
+        tree.capacity = capacity
+        tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
+        # the kernel's record: nodes, kept, lost per source, then (length, tokens...) per path
+        record = np.empty(2 + num_sources + max_nodes * (max(max_len, 0) + 1), dtype=np.int32)
+        return tree, record
+
+    def _read(self, record: np.ndarray, written: int, num_sources: int
+              ) -> tuple[list[list[int]], int, list[int]]:
+        """(paths, kept, lost per source) from the kernel's record; sets the tree's size."""
         if written < 0:
             raise MemoryError("the hybrid kernel ran out of room for its tree")
         values = record[:written].tolist()
-        tree.nodes, kept = values[0], values[1]
+        self.nodes, kept = values[0], values[1]
         paths, at = [], 2 + num_sources
         while at < written:
             length = values[at]
             paths.append(values[at + 1 : at + 1 + length])
             at += 1 + length
-        return tree, paths, kept, values[2 : 2 + num_sources]
+        return paths, kept, values[2 : 2 + num_sources]
 
 
 def frequent_prefixes(rows: np.ndarray, max_nodes: int, is_sorted: bool = False
@@ -484,3 +502,74 @@ def dense_candidates(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: int, 
         found.append((values[at + 2 : at + 2 + length], count))
         at += 2 + length
     return found
+
+
+# The sources `hybrid_step` consults, by kind (`SOURCE_PLD` ... in drafting.c).
+SOURCE_KINDS = {"pld": 0, "suffix": 1, "rest": 2, "dresd": 3}
+
+
+class HybridSources(ctypes.Structure):
+    """Hybrid's sources as `hybrid_step` reads them, set once: `drafting.c`'s struct
+    hybrid_sources, field for field (a source hybrid lacks keeps zeros)."""
+
+    _fields_ = [("pld_max_ngram", ctypes.c_int64), ("pld_min_ngram", ctypes.c_int64),
+                ("pld_num_drafts", ctypes.c_int64), ("suffix_max_depth", ctypes.c_int64),
+                ("suffix_max_nodes", ctypes.c_int64), ("suffix_single_path", ctypes.c_int64),
+                ("suffix_factor", ctypes.c_double), ("suffix_offset", ctypes.c_double),
+                ("suffix_min_prob", ctypes.c_double), ("rest_symbols", ctypes.c_void_p),
+                ("rest_symbols_bytes", ctypes.c_int64), ("rest_symbol_width", ctypes.c_int64),
+                ("rest_suffix_array", ctypes.c_void_p), ("rest_wide", ctypes.c_int64),
+                ("rest_suffixes", ctypes.c_int64), ("rest_symbol_of", ctypes.c_void_p),
+                ("rest_table_len", ctypes.c_int64), ("rest_alphabet", ctypes.c_void_p),
+                ("rest_min_suffix", ctypes.c_int64), ("rest_max_suffix", ctypes.c_int64),
+                ("rest_max_matches", ctypes.c_int64), ("rest_max_nodes", ctypes.c_int64),
+                ("dense", ctypes.c_void_p), ("dense_k", ctypes.c_int64)]
+
+
+class StepSources(NamedTuple):
+    """A `HybridSources` and what `hybrid_step` is called with for it: its address, the most
+    candidate tokens a step's sources give (the tree's room) and what keeps its pointers
+    valid (the DReSD plan)."""
+
+    sources: HybridSources
+    address: int
+    most_tokens: int
+    keep: object
+
+
+def hybrid_step(plan: StepSources, kinds: array, bits: array, context: np.ndarray,
+                hidden: torch.Tensor | None, draft_len: int, max_draft_len: int,
+                suffix_global: tuple[array, array, array, float] | None,
+                accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray, strength: float,
+                costs: np.ndarray, max_nodes: int, last: HybridTree | None,
+                emitted: list[int], num_sources: int
+                ) -> tuple[HybridTree, list[list[int]], int, list[int], list[float]]:
+    """A hybrid step in one call, the sources' lookups included: the sources of `kinds`
+    (`SOURCE_KINDS`, in hybrid's order, each with its table bit) consulted on `context` (int64,
+    C-contiguous; `hidden`: its last state, for DReSD), then `HybridTree.drafted` on their
+    candidates. `suffix_global`: the suffix drafter's tree of its global trie (tokens, offsets,
+    shares, score), or None. Returns `drafted`'s four, then each source's seconds."""
+    global_count = -1
+    global_tokens = global_offsets = global_shares = None
+    global_score = 0.0
+    if suffix_global is not None:
+        global_tokens, global_offsets, global_shares, global_score = suffix_global
+        global_count = len(global_offsets) - 1
+    room = plan.most_tokens + (len(global_tokens) if global_tokens is not None else 0) + 1
+    tree, record = HybridTree._room(room, num_sources, max_nodes, draft_len)
+    seconds = np.zeros(max(len(kinds), 1), dtype=np.float64)
+    emitted = array("q", emitted)  # named, so that it lives until the call returns
+    if hidden is not None:
+        hidden = hidden.contiguous()
+    written = kernel().dresd_hybrid_step(
+        plan.address, kinds.buffer_info()[0], bits.buffer_info()[0], len(kinds),
+        address(context), len(context), None if hidden is None else hidden.data_ptr(),
+        int(hidden is not None and hidden.dtype == torch.bfloat16), draft_len, max_draft_len,
+        None if global_tokens is None else global_tokens.buffer_info()[0],
+        None if global_offsets is None else global_offsets.buffer_info()[0],
+        None if global_shares is None else global_shares.buffer_info()[0], global_count,
+        global_score, address(seconds), None if last is None else address(last.block),
+        0 if last is None else last.capacity, emitted.buffer_info()[0], len(emitted),
+        num_sources, address(tree.block), tree.capacity, address(accepted), address(tried),
+        address(prior), strength, address(costs), max_nodes, address(record))
+    return (tree, *tree._read(record, written, num_sources), seconds.tolist())
