@@ -40,6 +40,13 @@ machine's verify-cost curve. At every step this drafter:
    them. This needs a one-token step's seconds (the calibration measures them); where they
    are unknown every source is consulted at every step.
 
+Where the drafting kernel is compiled and the sources are the four above (REST and DReSD keeping
+no outputs in memory, DReSD's store an IVF index it searches), steps 1-4 are one kernel call,
+the sources' lookups included (`_step_in_c`, `drafting.hybrid_step`): the same drafts and
+counts as the sources asked one by one (a test holds it), ~50 us less a step with the caches a
+forward leaves. Only the suffix drafter's trie of earlier outputs stays Python, and comes in as
+candidates.
+
 Learning from finished outputs (`learn`): by default SuffixDecoding's global trie keeps them, as
 `--method suffix` does; with `learn=True` (`--learn`) REST and DReSD also keep them in their
 in-memory side stores (`learned.py`), so a request that comes back drafts its earlier output

@@ -3,7 +3,7 @@ request's own tokens, REST's whole lookup, DReSD's query (its key, its search wh
 an IVF index with fp16 codes, its drafts from the searched neighbours: one call) and the
 neighbours' agreeing prefixes, the most frequent prefixes of many continuations (REST, DReSD
 with a node budget), and hybrid's step: learning from the last tree, merge, reach estimates and
-cut, in one call.
+cut, in one call, with its sources' lookups in the same call where it can (`hybrid_step`).
 
 Why: drafting runs between two verify forwards, on the critical path, and the forward got fast
 (~8 ms a step for the default model on one core). The forward leaves every cache cold, and
