@@ -21,7 +21,7 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 )
 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
-from dresd.calibrate import cost_at, cost_table
+from dresd.calibrate import CostCurve, cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.decoding.drafter import Candidate, DraftContext, Drafter
 from dresd.drafters.dense import agreeing_prefixes
@@ -43,6 +43,9 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert cost_at(curve, 2) == pytest.approx(1.1)
     assert cost_at(curve, 6) == pytest.approx(1.7)
     assert cost_at(curve, 12) == pytest.approx(2.9)  # the last slope, 0.2 per token
+    remembered = CostCurve(curve)  # each size worked out once, asked in any order
+    for rows in [5, 0, 12, 3, 40, 1, 12, 7]:
+        assert remembered(rows) == cost_at(curve, rows)
 
 
 def test_table_moves_from_its_prior_to_the_observed_rate():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dresd.calibrate import cost_at, load_or_measure
+from dresd.calibrate import CostCurve, load_or_measure
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request
 from dresd.decoding.drafter import Drafter
@@ -91,7 +91,7 @@ class MethodRunner:
         self.cost = None
         if self.budget:
             curve = load_or_measure(target)
-            self.cost = lambda rows: cost_at(curve, rows)
+            self.cost = CostCurve(curve)
         self.engine = self.batch(1, prefix_cache=None)  # reused prompt to prompt
 
     def _new_drafter(self) -> Drafter:

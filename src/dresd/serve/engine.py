@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from dresd.calibrate import cost_at, load_or_measure
+from dresd.calibrate import CostCurve, load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
@@ -170,7 +170,7 @@ class Engine:
         self.cost = None
         if budget:
             curve = load_or_measure(target)
-            self.cost = lambda rows: cost_at(curve, rows)
+            self.cost = CostCurve(curve)
         self.running = 0  # requests in the batch now
         self.batch_waiting = 0  # admitted to the loop, waiting for room in the batch
         # called after every forward with its (requests, token rows): the server's metrics
