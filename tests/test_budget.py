@@ -160,3 +160,24 @@ def test_the_ledger_drafts_while_drafting_pays_and_probes_when_it_does_not():
         ledger.record_draft("fast", 2, 0.010)
     assert ledger.worth_drafting("fast", 1, 1, cost)
     assert not ledger.worth_drafting("fast", 1, 32, cost)
+
+
+def test_reach_is_the_product_of_each_nodes_cell_rate_down_its_path():
+    """On random trees with deep paths and many siblings, after random observations: every
+    node's reach is its parent's times its (depth, rank) cell's accepted / tried, the cell read
+    node by node (`_cell`), as the estimates define it."""
+    rng = np.random.default_rng(0)
+    estimates = AcceptanceEstimates()
+    for _ in range(200):
+        drafts = [rng.integers(0, 4, int(rng.integers(1, 12))).tolist()
+                  for _ in range(int(rng.integers(1, 9)))]
+        tree = DraftTree.from_drafts(0, drafts)
+        path = [0]
+        while tree.children[path[-1]] and rng.random() < 0.7:
+            path.append(list(tree.children[path[-1]].values())[0])
+        estimates.observe("m", tree, path)
+        expected = [1.0] * len(tree)
+        for node in range(1, len(tree)):
+            accepted, tried = estimates.counts[estimates._cell("m", tree, node)]
+            expected[node] = expected[tree.parents[node]] * accepted / tried
+        assert estimates.reach("m", tree) == expected

@@ -69,11 +69,20 @@ class AcceptanceEstimates:
         return (method, min(tree.depths[node], MAX_DEPTH_BUCKET), min(rank, MAX_RANK_BUCKET))
 
     def reach(self, method: str, tree: DraftTree) -> list[float]:
-        """reach(v) for every node of `tree` (the root: 1)."""
+        """reach(v) for every node of `tree` (the root: 1). One pass over each parent's
+        children, ranks counted on the way, and one lookup per cell: `_cell` for every node
+        lists its siblings to find its rank (a 100-node tree's budget took ~0.1 ms a step with
+        the caches a forward leaves)."""
         reach = [1.0] * len(tree)
-        for node in range(1, len(tree)):  # parents come before children
-            accepted, tried = self.counts[self._cell(method, tree, node)]
-            reach[node] = reach[tree.parents[node]] * accepted / tried
+        depths, counts = tree.depths, self.counts
+        looked_up: dict[tuple[int, int], list[float]] = {}
+        for parent, children in enumerate(tree.children):  # parents come before children
+            for rank, node in enumerate(children.values()):
+                cell = (min(depths[node], MAX_DEPTH_BUCKET), min(rank, MAX_RANK_BUCKET))
+                found = looked_up.get(cell)
+                if found is None:
+                    found = looked_up[cell] = counts[(method, *cell)]
+                reach[node] = reach[parent] * found[0] / found[1]
         return reach
 
     def observe(self, method: str, tree: DraftTree, path: list[int]) -> None:
