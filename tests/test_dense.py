@@ -407,11 +407,11 @@ def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")
 def test_hybrids_step_in_one_call_is_its_sources_one_by_one(ivf_sparse_datastore,
-                                                            default_target):
+                                                            default_target, default_references):
     """Hybrid's step as one kernel call (PLD, suffix, REST and DReSD looked up in C, then
     learn, merge and cut) drafts at every step of real generations what it drafts asking its
     sources one by one, the suffix drafter's trie of earlier outputs included (from the second
-    prompt on), and learns the same acceptance counts."""
+    prompt on), and learns the same acceptance counts; the outputs are AR's."""
     settings = GenerationSettings(max_new_tokens=64)
     flat = {1: 1.0, 16: 1.2, 64: 2.0}
     runner = MethodRunner(default_target, "hybrid", settings, datastore=str(ivf_sparse_datastore),
@@ -440,7 +440,8 @@ def test_hybrids_step_in_one_call_is_its_sources_one_by_one(ivf_sparse_datastore
 
     fused.propose, fused.observe = propose, observe
     for prompt in PROMPTS:
-        runner.generate(encode_prompt(default_target.tokenizer, prompt))
+        ids = encode_prompt(default_target.tokenizer, prompt)
+        assert runner.generate(ids).token_ids == default_references(ids, 64)
     assert steps >= 40 and global_steps >= 20
     assert isinstance(fused.last.tree, drafting.HybridTree)
     assert fused.table.counts == apart.table.counts
