@@ -62,6 +62,8 @@ PROBES = {
     "dresd.kernels.drafting:HybridTree.__init__": "    hybrid: merge, in C",
     "dresd.drafters.hybrid:HybridDrafter._cut": "  hybrid: cut (estimates, budget)",
     "dresd.kernels.drafting:HybridTree.drafted": "    hybrid: learn, merge, cut, in C",
+    "dresd.drafters.hybrid:HybridDrafter._step_in_c": "  hybrid: the step in one C call",
+    "dresd.kernels.drafting:hybrid_step": "    hybrid: sources, learn, merge, cut, in C",
     "dresd.drafters.hybrid:HybridDrafter.propose": "  hybrid: propose (all of the above)",
     "dresd.decoding.drafter:Drafter.candidates": "  hybrid: candidates of pld, rest",
     "dresd.drafters.suffix:SuffixDrafter.candidates": "  hybrid: candidates of suffix",
