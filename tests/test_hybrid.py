@@ -450,3 +450,21 @@ def test_hybrid_takes_the_batch_from_the_context():
     drafter.propose(DraftContext(np.array(prompt + [1, 2, 3, 1, 2, 3, 9, 4]), torch.zeros(4), 20,
                                  **batch))
     assert [(tokens, seconds) for _, _, tokens, seconds in records] == [(40, 0.03)]
+
+
+def test_step_buffers_never_write_the_tree_the_last_step_reads():
+    """Hybrid's kept buffers (`drafting.StepBuffers`): a new tree never takes the block of the
+    tree it learns from, whichever came before (a tree of its own, or one made elsewhere), and
+    grows when a step needs more room."""
+    buffers = drafting.StepBuffers()
+    last, elsewhere = None, drafting.HybridTree._room(8, 1, 4, 4)[0]
+    rng = np.random.default_rng(0)
+    for step in range(50):
+        before = last if step % 7 else elsewhere
+        need = int(rng.integers(2, 300))
+        tree = buffers.tree(need, before)
+        assert before is None or tree.block is not before.block
+        assert tree.capacity == tree.block.shape[1] >= need
+        assert tree.address == drafting.address(tree.block)
+        last = tree
+    assert len({id(block) for block, _ in buffers.blocks}) == 2

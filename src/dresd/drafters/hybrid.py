@@ -499,6 +499,7 @@ class HybridDrafter(HybridOptions, Drafter):
         # the sources as one kernel call reads them (`_step_in_c`), and the ones it was made for
         self._step_plan = self._plan_step()
         self._step_sources = tuple(self.sources.values())
+        self._step_buffers = drafting.StepBuffers()  # what its calls write, kept
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
@@ -507,6 +508,7 @@ class HybridDrafter(HybridOptions, Drafter):
         forked.sources = {name: source.fork() for name, source in self.sources.items()}
         # the same options and stores as the plan's (else no plan: `_planned_sources` says no)
         forked._step_sources = tuple(forked.sources.values()) if self._planned_sources() else ()
+        forked._step_buffers = drafting.StepBuffers()
         forked.last, forked.steps = None, 0
         return forked
 
@@ -624,7 +626,8 @@ class HybridDrafter(HybridOptions, Drafter):
             suffix_global = (tokens, offsets, shares, grown.score)
         costs, max_nodes = self._budget()
         tree, drafts, kept, by_bit, seconds = drafting.hybrid_step(
-            plan, kinds, bits, np.ascontiguousarray(context.token_ids, dtype=np.int64),
+            plan, self._step_buffers, kinds, bits,
+            np.ascontiguousarray(context.token_ids, dtype=np.int64),
             state if "dresd" in names else None, draft_len, context.max_draft_len,
             suffix_global, table.accepted, table.tried, table.priors, table.prior_strength,
             costs, max_nodes, None if last is None else last.tree, emitted, len(table.names))

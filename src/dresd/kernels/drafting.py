@@ -143,8 +143,8 @@ TREE_COLUMNS = ("tokens", "parents", "depths", "sources", "support", "votes", "s
 class HybridTree:
     """Hybrid's merged candidate trie in the kernel's columns (node 0: the root), made and cut
     by `drafted`. `sources` holds each node's proposing sources as a bitmask (bit i: the
-    acceptance table's i-th source), `shares` the best count-share bucket (-1: none). The
-    kernel must be loaded."""
+    acceptance table's i-th source), `shares` the best count-share bucket (-1: none). `block`
+    holds the columns, `capacity` nodes apart, from `address` on. The kernel must be loaded."""
 
     def __len__(self) -> int:
         """Nodes, the root included."""
@@ -173,9 +173,9 @@ class HybridTree:
         tree, record = cls._room(len(tokens) + 1, num_sources, max_nodes, max_len)
         emitted = array("q", emitted)  # named, so that it lives until the call returns
         written = kernel().dresd_hybrid_draft(
-            None if last is None else address(last.block), 0 if last is None else last.capacity,
-            emitted.buffer_info()[0], len(emitted), num_sources, address(tree.block),
-            tree.capacity, tokens.buffer_info()[0], offsets.buffer_info()[0], len(offsets) - 1,
+            None if last is None else last.address, 0 if last is None else last.capacity,
+            emitted.buffer_info()[0], len(emitted), num_sources, tree.address, tree.capacity,
+            tokens.buffer_info()[0], offsets.buffer_info()[0], len(offsets) - 1,
             sources.buffer_info()[0], neighbours.buffer_info()[0], shares.buffer_info()[0],
             max_len, address(accepted), address(tried), address(prior), strength,
             address(costs), max_nodes, address(record))
@@ -188,6 +188,7 @@ class HybridTree:
         tree = cls.__new__(cls)
         tree.capacity = capacity
         tree.block = np.empty((len(TREE_COLUMNS), capacity), dtype=np.int32)
+        tree.address = address(tree.block)
         # the kernel's record: nodes, kept, lost per source, then (length, tokens...) per path
         record = np.empty(2 + num_sources + max_nodes * (max(max_len, 0) + 1), dtype=np.int32)
         return tree, record
@@ -537,9 +538,60 @@ class StepSources(NamedTuple):
     keep: object
 
 
-def hybrid_step(plan: StepSources, kinds: array, bits: array, context: np.ndarray,
-                hidden: torch.Tensor | None, draft_len: int, max_draft_len: int,
-                suffix_global: tuple[array, array, array, float] | None,
+class StepBuffers:
+    """One hybrid drafter's buffers for `hybrid_step`, kept from step to step with their
+    addresses: with the caches a forward leaves, an `np.empty` and an `address` cost ~2-5 us
+    each, and a step made ~15 of them (~25 us in all). Two tree blocks are used in turn (the
+    last step's tree is read while the new one is written), then the record and the sources'
+    seconds; arrays owned elsewhere (the acceptance table's, the cost table) have their
+    addresses remembered for as long as they are the same objects. A fork has its own."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[np.ndarray, int]] = []
+        self.turn = 0
+        self.record: tuple[np.ndarray, int] = (np.empty(0, dtype=np.int32), 0)
+        self.seconds = np.zeros(len(SOURCE_KINDS), dtype=np.float64)
+        self.seconds_at = address(self.seconds)
+        self.known: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, its address)
+
+    def tree(self, capacity: int, last: HybridTree | None) -> HybridTree:
+        """A tree of at least `capacity` nodes to fill, in the block `last` does not use."""
+        if len(self.blocks) < 2:
+            self.blocks.append((np.empty(0, dtype=np.int32), 0))
+        turn = self.turn
+        if last is not None and last.block is self.blocks[turn][0]:
+            turn = 1 - turn  # never the block the last tree is read from
+        block, at = self.blocks[turn]
+        if block.size == 0 or block.shape[1] < capacity:
+            block = np.empty((len(TREE_COLUMNS), max(capacity, 2 * block.shape[-1])),
+                             dtype=np.int32)
+            at = address(block)
+            self.blocks[turn] = (block, at)
+        self.turn = 1 - turn
+        tree = HybridTree.__new__(HybridTree)
+        tree.block, tree.capacity, tree.address = block, block.shape[1], at
+        return tree
+
+    def record_of(self, size: int) -> tuple[np.ndarray, int]:
+        if self.record[0].size < size:
+            record = np.empty(size, dtype=np.int32)
+            self.record = (record, address(record))
+        return self.record
+
+    def address(self, array: np.ndarray) -> int:
+        """`address(array)`, remembered while `array` is the same object (held here, so that
+        its id cannot be another array's)."""
+        found = self.known.get(id(array))
+        if found is None or found[0] is not array:
+            if len(self.known) > 16:
+                self.known.clear()
+            found = self.known[id(array)] = (array, address(array))
+        return found[1]
+
+
+def hybrid_step(plan: StepSources, buffers: StepBuffers, kinds: array, bits: array,
+                context: np.ndarray, hidden: torch.Tensor | None, draft_len: int,
+                max_draft_len: int, suffix_global: tuple[array, array, array, float] | None,
                 accepted: np.ndarray, tried: np.ndarray, prior: np.ndarray, strength: float,
                 costs: np.ndarray, max_nodes: int, last: HybridTree | None,
                 emitted: list[int], num_sources: int
@@ -547,8 +599,9 @@ def hybrid_step(plan: StepSources, kinds: array, bits: array, context: np.ndarra
     """A hybrid step in one call, the sources' lookups included: the sources of `kinds`
     (`SOURCE_KINDS`, in hybrid's order, each with its table bit) consulted on `context` (int64,
     C-contiguous; `hidden`: its last state, for DReSD), then `HybridTree.drafted` on their
-    candidates. `suffix_global`: the suffix drafter's tree of its global trie (tokens, offsets,
-    shares, score), or None. Returns `drafted`'s four, then each source's seconds."""
+    candidates, written into `buffers`. `suffix_global`: the suffix drafter's tree of its
+    global trie (tokens, offsets, shares, score), or None. Returns `drafted`'s four, then each
+    source's seconds."""
     global_count = -1
     global_tokens = global_offsets = global_shares = None
     global_score = 0.0
@@ -556,11 +609,12 @@ def hybrid_step(plan: StepSources, kinds: array, bits: array, context: np.ndarra
         global_tokens, global_offsets, global_shares, global_score = suffix_global
         global_count = len(global_offsets) - 1
     room = plan.most_tokens + (len(global_tokens) if global_tokens is not None else 0) + 1
-    tree, record = HybridTree._room(room, num_sources, max_nodes, draft_len)
-    seconds = np.zeros(max(len(kinds), 1), dtype=np.float64)
+    tree = buffers.tree(room, last)
+    record, record_at = buffers.record_of(2 + num_sources + max_nodes * (max(draft_len, 0) + 1))
     emitted = array("q", emitted)  # named, so that it lives until the call returns
     if hidden is not None:
         hidden = hidden.contiguous()
+    remembered = buffers.address
     written = kernel().dresd_hybrid_step(
         plan.address, kinds.buffer_info()[0], bits.buffer_info()[0], len(kinds),
         address(context), len(context), None if hidden is None else hidden.data_ptr(),
@@ -568,8 +622,8 @@ def hybrid_step(plan: StepSources, kinds: array, bits: array, context: np.ndarra
         None if global_tokens is None else global_tokens.buffer_info()[0],
         None if global_offsets is None else global_offsets.buffer_info()[0],
         None if global_shares is None else global_shares.buffer_info()[0], global_count,
-        global_score, address(seconds), None if last is None else address(last.block),
+        global_score, buffers.seconds_at, None if last is None else last.address,
         0 if last is None else last.capacity, emitted.buffer_info()[0], len(emitted),
-        num_sources, address(tree.block), tree.capacity, address(accepted), address(tried),
-        address(prior), strength, address(costs), max_nodes, address(record))
-    return (tree, *tree._read(record, written, num_sources), seconds.tolist())
+        num_sources, tree.address, tree.capacity, remembered(accepted), remembered(tried),
+        remembered(prior), strength, remembered(costs), max_nodes, record_at)
+    return (tree, *tree._read(record, written, num_sources), buffers.seconds[:len(kinds)].tolist())
