@@ -1194,11 +1194,15 @@ static int suffix_candidates(const struct hybrid_sources *s, const int64_t *cont
                              const int64_t *global_offsets, const double *global_shares,
                              int global_count, double global_score, int64_t bit,
                              Candidates *out) {
-    int max_nodes = (int)s->suffix_max_nodes;
-    int32_t *tokens = malloc(max_nodes * (3 * sizeof(int32_t) + 2 * sizeof(double)) + 8);
+    int max_nodes = (int)s->suffix_max_nodes, longest = max_nodes; /* a path's tokens at most */
+    for (int c = 0; c < global_count; c++)
+        if (global_offsets[c + 1] - global_offsets[c] > longest)
+            longest = (int)(global_offsets[c + 1] - global_offsets[c]);
+    int32_t *tokens = malloc(sizeof(int32_t) * (2 * max_nodes + longest)
+                             + sizeof(double) * (max_nodes + longest) + 8);
     if (!tokens) return -1;
     int32_t *parents = tokens + max_nodes, *path = parents + max_nodes;
-    double *probs = (double *)(((uintptr_t)(path + max_nodes) + 7) & ~(uintptr_t)7);
+    double *probs = (double *)(((uintptr_t)(path + longest) + 7) & ~(uintptr_t)7);
     double *shares = probs + max_nodes;
     int32_t match_len;
     int count = dresd_suffix_context_tree(context, n, (int)s->suffix_max_depth, s->suffix_factor,
@@ -1263,8 +1267,8 @@ int dresd_hybrid_step(const struct hybrid_sources *s, const int32_t *kinds, cons
                       : kinds[i] == SOURCE_SUFFIX ? s->suffix_max_nodes
                                                     + (global_count > 0 ? global_count : 0)
                       : kinds[i] == SOURCE_REST ? s->rest_max_nodes : s->dense_k;
-        int64_t length = kinds[i] == SOURCE_SUFFIX ? s->suffix_max_depth + max_draft_len
-                                                   : draft_len;
+        int64_t length = kinds[i] != SOURCE_SUFFIX ? draft_len  /* a suffix path: <= D - 1 */
+                       : max_draft_len < s->suffix_max_depth ? max_draft_len : s->suffix_max_depth;
         most += count;
         most_tokens += count * length;
     }
