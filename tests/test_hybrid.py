@@ -280,8 +280,8 @@ def test_a_source_is_charged_every_accepted_token_from_where_it_alone_proposed()
     records = []
     drafter.ledger.record = lambda *args: records.append(args)
     prompt = np.arange(20, 40)
-    step = LastStep(tree, len(prompt), prompt[-16:], {"pld": 0.001, "suffix": 0.002},
-                    first=False)
+    step = LastStep(tree, len(prompt), prompt[-16:].tobytes(), prompt.dtype,
+                    {"pld": 0.001, "suffix": 0.002}, first=False)
     emitted = [5, 6, 7, 3]  # 3 accepted, then the bonus 3
     drafter._record(step, tree.learn(emitted, drafter.table), emitted)
     (seconds, lost, emitted, step_seconds), = records

@@ -406,7 +406,10 @@ class LastStep:
 
     tree: Tree
     length: int  # context length when it drafted
-    tail: np.ndarray  # the context's last 16 tokens, to tell a new generation apart
+    # the context's last 16 tokens (at most) as bytes, and their dtype: to tell a new
+    # generation apart
+    tail: bytes
+    tail_dtype: np.dtype
     source_seconds: dict[str, float]  # source -> seconds it took (the sources consulted)
     first: bool  # the first step of a generation
     # the batch it drafted in: (sequences, the previous step's tokens and seconds), as the
@@ -500,6 +503,7 @@ class HybridDrafter(HybridOptions, Drafter):
         self._step_plan = self._plan_step()
         self._step_sources = tuple(self.sources.values())
         self._step_buffers = drafting.StepBuffers()  # what its calls write, kept
+        self._step_calls: dict[str | None, tuple[list[str], array, array]] = {}
 
     def fork(self) -> HybridDrafter:
         """Shares the acceptance table, the ledger and every source's learned outputs; its
@@ -508,7 +512,7 @@ class HybridDrafter(HybridOptions, Drafter):
         forked.sources = {name: source.fork() for name, source in self.sources.items()}
         # the same options and stores as the plan's (else no plan: `_planned_sources` says no)
         forked._step_sources = tuple(forked.sources.values()) if self._planned_sources() else ()
-        forked._step_buffers = drafting.StepBuffers()
+        forked._step_buffers = drafting.StepBuffers()  # (`_step_calls` shared: one table)
         forked.last, forked.steps = None, 0
         return forked
 
@@ -552,7 +556,8 @@ class HybridDrafter(HybridOptions, Drafter):
         if last is not None:
             self._record(last, lost, emitted)
         length = len(context.token_ids)
-        self.last = LastStep(tree, length, context.token_ids[max(0, length - 16) :].copy(),
+        tail = context.token_ids[max(0, length - 16) :]
+        self.last = LastStep(tree, length, tail.tobytes(), tail.dtype,
                              source_seconds, first=last is None,
                              batch=(context.batch_size, context.batch_tokens,
                                     context.batch_seconds), verified=verified)
@@ -605,12 +610,16 @@ class HybridDrafter(HybridOptions, Drafter):
         if not self._planned_sources() or draft_len < 1 or drafting.kernel() is None:
             return None
         state = context.hidden_state
-        names = [name for name in self.sources if name != skip]
+        table = self.table
+        consulted = self._step_calls.get(skip)
+        if consulted is None:  # the sources' names, kinds and table bits, once per source left out
+            names = [name for name in self.sources if name != skip]
+            consulted = self._step_calls[skip] = (
+                names, array("i", [drafting.SOURCE_KINDS[name] for name in names]),
+                array("q", [1 << table.bit(name) for name in names]))
+        names, kinds, bits = consulted
         if "dresd" in names and not (isinstance(state, torch.Tensor) and state.is_cpu):
             return None
-        table = self.table
-        kinds = array("i", [drafting.SOURCE_KINDS[name] for name in names])
-        bits = array("q", [1 << table.bit(name) for name in names])
         suffix = self.sources.get("suffix")
         suffix_global = None
         if "suffix" in names and suffix.learn and suffix.cached:  # its trie of earlier outputs
@@ -637,9 +646,12 @@ class HybridDrafter(HybridOptions, Drafter):
     def _planned_sources(self) -> bool:
         """Whether `_step_plan` is made for the sources this drafter has now (a test may swap
         them)."""
-        return (self._step_plan is not None and len(self.sources) == len(self._step_sources)
-                and all(a is b for a, b in zip(self.sources.values(), self._step_sources,
-                                               strict=True)))
+        if self._step_plan is None or len(self.sources) != len(self._step_sources):
+            return False
+        for source, planned in zip(self.sources.values(), self._step_sources, strict=True):
+            if source is not planned:  # a plain loop: all() over a generator costs ~3 us more
+                return False
+        return True
 
     def _plan_step(self) -> drafting.StepSources | None:
         """What `_step_in_c` reads of the sources, once; None where a source has no lookup in
@@ -698,10 +710,10 @@ class HybridDrafter(HybridOptions, Drafter):
         last = self.last
         # Bytes compared, not np.array_equal: its several numpy calls cost 4-8 us a step more
         # with the caches a forward leaves (paired runs of benchmarks/micro/drafting_ab.py).
-        return (last is not None and len(token_ids) > last.length
-                and token_ids.dtype == last.tail.dtype
-                and token_ids[last.length - len(last.tail) : last.length].tobytes()
-                == last.tail.tobytes())
+        if last is None or len(token_ids) <= last.length or token_ids.dtype != last.tail_dtype:
+            return False
+        held = len(last.tail) // last.tail_dtype.itemsize
+        return token_ids[last.length - held : last.length].tobytes() == last.tail
 
     def _record(self, step: LastStep, lost: dict[str, int], emitted: list[int]) -> None:
         """Weigh a step's sources' time against what only they found (`lost`: source ->
