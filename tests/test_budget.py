@@ -16,6 +16,7 @@ from dresd.decoding.budget import (
     PROBE_EVERY,
     WARMUP_STEPS,
     AcceptanceEstimates,
+    CostCurve,
     DraftingLedger,
     batch_budget,
     restrict,
@@ -181,3 +182,26 @@ def test_reach_is_the_product_of_each_nodes_cell_rate_down_its_path():
             accepted, tried = estimates.counts[estimates._cell("m", tree, node)]
             expected[node] = expected[tree.parents[node]] * accepted / tried
         assert estimates.reach("m", tree) == expected
+
+
+def test_the_budget_is_the_first_best_ratio_of_expected_tokens_to_cost():
+    """On random batches of trees (equal reaches included), with a measured curve and with a
+    plain function: the node sets of the first k maximising (decoding + the k best reaches) /
+    cost(fixed + k), as numpy's cumulative sums and argmax pick them."""
+    rng = np.random.default_rng(1)
+    curve = {1: 1.0, 2: 1.03, 4: 1.11, 8: 1.48, 16: 2.15, 64: 6.7}
+    for trial in range(300):
+        trees = [random_tree(rng) for _ in range(int(rng.integers(1, 5)))]
+        reaches = [[1.0] + [float(rng.choice([0.5, 0.25, rng.random()])) for _ in tree.tokens[1:]]
+                   for tree in trees]
+        fixed, decoding = int(rng.integers(len(trees), 3 * len(trees) + 1)), len(trees)
+        cost = CostCurve(curve) if trial % 2 else (lambda rows: 1.0 + 0.1 * rows)
+        ranked = sorted((-r[node], node, t) for t, r in enumerate(reaches)
+                        for node in range(1, len(r)))
+        expected = decoding + np.concatenate(([0.0], np.cumsum([-g for g, _, _ in ranked])))
+        costs = np.array([cost(fixed + k) for k in range(len(ranked) + 1)])
+        best = int(np.argmax(expected / costs))
+        want = [set() for _ in trees]
+        for _, node, t in ranked[:best]:
+            want[t].add(node)
+        assert batch_budget(reaches, fixed, decoding, cost) == want

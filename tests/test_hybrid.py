@@ -21,8 +21,9 @@ from test_sampling import (  # noqa: F401 - small_vocab_model is a fixture used 
 )
 
 from dresd.bench.replay import Reference, drafter_proposer, replay, summarise
-from dresd.calibrate import CostCurve, cost_at, cost_table
+from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
+from dresd.decoding.budget import CostCurve
 from dresd.decoding.drafter import Candidate, DraftContext, Drafter
 from dresd.drafters.dense import agreeing_prefixes
 from dresd.drafters.hybrid import (

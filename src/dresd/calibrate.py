@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dresd.decoding.budget import cost_at
 from dresd.decoding.forward import Forward, Segment, make_forward
 from dresd.decoding.tree import DraftTree
 from dresd.device import clock, device_name
@@ -178,33 +179,3 @@ def cost_table(curve: dict[int, float], up_to: int) -> np.ndarray:
     return np.array([cost_at(curve, max(t, 1)) for t in range(up_to + 1)])
 
 
-class CostCurve:
-    """cost(rows) of a measured curve (`cost_at`), each size worked out once: the batch budget
-    asks for every size from a step's fixed rows up to all its candidates', at every step, and
-    `cost_at` sorts the curve and scans it on each call (a 100-node tree's budget took ~0.1 ms
-    a step with the caches a forward leaves)."""
-
-    def __init__(self, curve: dict[int, float]) -> None:
-        self.curve = curve
-        self.table: list[float] = []  # table[rows] = cost_at(curve, rows)
-
-    def __call__(self, rows: int) -> float:
-        table = self.table
-        if rows >= len(table):
-            table.extend(cost_at(self.curve, size) for size in range(len(table), rows + 1))
-        return table[rows]
-
-
-def cost_at(curve: dict[int, float], size: int) -> float:
-    """cost(size) from a measured curve: linear between points, the last slope beyond them."""
-    sizes = sorted(curve)
-    if size in curve:
-        return curve[size]
-    if size < sizes[0]:
-        return curve[sizes[0]]
-    for lo, hi in zip(sizes, sizes[1:], strict=False):
-        if lo < size < hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (size - lo) / (hi - lo)
-    lo, hi = sizes[-2:] if len(sizes) > 1 else (sizes[0], sizes[0])
-    slope = (curve[hi] - curve[lo]) / (hi - lo) if hi > lo else 0.0
-    return curve[hi] + slope * (size - hi)

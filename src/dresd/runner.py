@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dresd.calibrate import CostCurve, load_or_measure
+from dresd.calibrate import load_or_measure
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request
+from dresd.decoding.budget import CostCurve
 from dresd.decoding.drafter import Drafter
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.drafters import make_drafter

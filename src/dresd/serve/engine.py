@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from dresd.calibrate import CostCurve, load_or_measure
+from dresd.calibrate import load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request, Running
+from dresd.decoding.budget import CostCurve
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.errors import UserError
