@@ -17,7 +17,8 @@ under the two trees alternately, the same contexts file for both:
 With the ledger's clock held still (as in `drafting_ab.py`) hybrid consults every source at
 every step, so a call here costs more than the live loop's average step. `--drop pld,rest`
 takes sources out of hybrid: what a source costs it, as an upper bound on what making that
-source cheaper could save.
+source cheaper could save. A hybrid with a source taken out drafts a source at a time (its
+one-call step is planned for the sources it was built with), so `--drop` measures that path.
 """
 
 from __future__ import annotations
