@@ -1312,7 +1312,7 @@ int dresd_hybrid_step(const struct hybrid_sources *s, const int32_t *kinds, cons
             if (found < 0) status = -1;
             for (int d = 0; d < found; d++)
                 add_candidate(&c, rows + (int64_t)d * draft_len, lengths[d], bits[i], 0, NULL);
-        } else if (kinds[i] == SOURCE_DENSE) {
+        } else if (kinds[i] == SOURCE_DENSE && n > 0) {  /* the bonus token: the last */
             int k = (int)s->dense_k;
             int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
             int kept = dresd_dense_neighbour_rows(s->dense, hidden, hidden_bf16, k,
