@@ -1110,16 +1110,27 @@ int dresd_dense_neighbour_rows(const struct dense_plan *plan, const void *hidden
  * agreeing prefixes (`dresd_agreeing_prefixes`), written as one record: the number of
  * candidates, then for each its length, its count and its token ids. `record` holds
  * 1 + k * (draft_len + 2) values. Returns the values written, or < 0 as the query does. */
+/* `dresd_dense_neighbour_rows`, then their agreeing prefixes: the candidates in `rows`' first
+ * rows, each one's length and count after the k * draft_len row values (k lengths, then k
+ * counts). Returns how many, or < 0 as the query does (-2: out of memory). */
+static int dense_groups(const struct dense_plan *plan, const void *hidden, int hidden_bf16,
+                        int k, int64_t bonus, int draft_len, int32_t *rows) {
+    int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
+    int kept = dresd_dense_neighbour_rows(plan, hidden, hidden_bf16, k, bonus, draft_len, rows);
+    if (kept < 0) return kept;
+    int groups = dresd_agreeing_prefixes(rows, kept, draft_len, lengths, counts);
+    return groups < 0 ? -2 : groups;
+}
+
 int dresd_dense_candidates(const struct dense_plan *plan, const void *hidden, int hidden_bf16,
                            int k, int64_t bonus, int draft_len, int32_t *record) {
     int32_t *rows = malloc(sizeof(int32_t) * ((int64_t)k * draft_len + 2 * (int64_t)k));
     if (!rows) return -2;
     int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
-    int kept = dresd_dense_neighbour_rows(plan, hidden, hidden_bf16, k, bonus, draft_len, rows);
-    int groups = kept < 0 ? kept : dresd_agreeing_prefixes(rows, kept, draft_len, lengths, counts);
+    int groups = dense_groups(plan, hidden, hidden_bf16, k, bonus, draft_len, rows);
     if (groups < 0) {
         free(rows);
-        return kept < 0 ? kept : -2;
+        return groups;
     }
     int64_t at = 0;
     record[at++] = groups;
@@ -1315,10 +1326,8 @@ int dresd_hybrid_step(const struct hybrid_sources *s, const int32_t *kinds, cons
         } else if (kinds[i] == SOURCE_DENSE && n > 0) {  /* the bonus token: the last */
             int k = (int)s->dense_k;
             int32_t *lengths = rows + (int64_t)k * draft_len, *counts = lengths + k;
-            int kept = dresd_dense_neighbour_rows(s->dense, hidden, hidden_bf16, k,
-                                                  context[n - 1], draft_len, rows);
-            int groups = kept < 0 ? kept : dresd_agreeing_prefixes(rows, kept, draft_len,
-                                                                    lengths, counts);
+            int groups = dense_groups(s->dense, hidden, hidden_bf16, k, context[n - 1],
+                                      draft_len, rows);
             if (groups < 0) status = -1;
             for (int g = 0; g < groups; g++)
                 add_candidate(&c, rows + (int64_t)g * draft_len, lengths[g], bits[i], counts[g],

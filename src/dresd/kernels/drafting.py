@@ -335,13 +335,19 @@ def key_weights(weight_t: np.ndarray, bias: np.ndarray) -> KeyWeights:
     return KeyWeights(address(weight_t), address(bias), weight_t.shape[0], weight_t.shape[1])
 
 
+def kernel_row(hidden: torch.Tensor) -> torch.Tensor:
+    """A hidden state [d] on the CPU as the kernels read it: bf16 as it is, any other dtype as
+    float32, contiguous (the caller keeps it alive through the call)."""
+    if hidden.dtype not in (torch.bfloat16, torch.float32):
+        hidden = hidden.float()
+    return hidden.contiguous()
+
+
 def dense_key(hidden: torch.Tensor, weights: KeyWeights) -> np.ndarray:
     """`KeyTransform.apply` for one hidden state [d] (bf16 or float32, on the CPU): the unit key
     [dim] float32. One C call on the forward's own row, where numpy's path (a float copy, a
     product, a norm, a division) costs ~80 us with the caches a forward leaves, and this ~30."""
-    if hidden.dtype not in (torch.bfloat16, torch.float32):
-        hidden = hidden.float()
-    hidden = hidden.contiguous()
+    hidden = kernel_row(hidden)
     key = np.empty(weights.dim, dtype=np.float32)
     kernel().dresd_dense_key(hidden.data_ptr(), int(hidden.dtype == torch.bfloat16), weights.d,
                              weights.weight_t, weights.bias, weights.dim, address(key))
@@ -471,9 +477,7 @@ def dense_neighbour_rows(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: i
     """`dense_key`, `ivf_search` and `dense_drafts` in one call: the drafts of the k nearest
     entries to hidden state `hidden` [d] (bf16 or float32, on the CPU) whose value starts with
     `bonus`, as `dense_drafts` gives them (int32 [kept, draft_len])."""
-    if hidden.dtype not in (torch.bfloat16, torch.float32):
-        hidden = hidden.float()
-    hidden = hidden.contiguous()
+    hidden = kernel_row(hidden)
     rows = np.empty((k, draft_len), dtype=np.int32)
     kept = kernel().dresd_dense_neighbour_rows(plan[1], hidden.data_ptr(),
                                                int(hidden.dtype == torch.bfloat16), k, bonus,
@@ -487,9 +491,7 @@ def dense_candidates(plan: tuple[DensePlan, int], hidden: torch.Tensor, k: int, 
                      draft_len: int) -> list[tuple[list[int], int]]:
     """`dense_neighbour_rows` and `agreeing_prefixes` in one call: (draft, count) pairs in
     `agreeing_prefixes`' order, read from one int32 record."""
-    if hidden.dtype not in (torch.bfloat16, torch.float32):
-        hidden = hidden.float()
-    hidden = hidden.contiguous()
+    hidden = kernel_row(hidden)
     record = np.empty(1 + k * (draft_len + 2), dtype=np.int32)
     written = kernel().dresd_dense_candidates(plan[1], hidden.data_ptr(),
                                               int(hidden.dtype == torch.bfloat16), k, bonus,
@@ -613,7 +615,7 @@ def hybrid_step(plan: StepSources, buffers: StepBuffers, kinds: array, bits: arr
     record, record_at = buffers.record_of(2 + num_sources + max_nodes * (max(draft_len, 0) + 1))
     emitted = array("q", emitted)  # named, so that it lives until the call returns
     if hidden is not None:
-        hidden = hidden.contiguous()
+        hidden = kernel_row(hidden)
     remembered = buffers.address
     written = kernel().dresd_hybrid_step(
         plan.address, kinds.buffer_info()[0], bits.buffer_info()[0], len(kinds),
