@@ -359,13 +359,17 @@ class SuffixDrafter(SuffixOptions, Drafter):
         """The speculation tree `propose` drafts, with its nodes' probs."""
         if context.max_draft_len < 1:
             return SpeculationTree()
-        tail = context.token_ids[-(self.max_depth - 1) :].tolist()
         best = self.request_tree(context.token_ids, context.max_draft_len)
-        if self.learn and self.cached:
-            other = self.best_tree(self.global_trie, tail, context.max_draft_len)
-            if other.score > best.score:
-                best = other
-        return best
+        other = self.global_tree(context)
+        return other if other is not None and other.score > best.score else best
+
+    def global_tree(self, context: DraftContext) -> SpeculationTree | None:
+        """The best tree of the global trie (earlier outputs) after the context, or None where
+        it keeps none; `speculation_tree` drafts it where it outscores the request's."""
+        if not (self.learn and self.cached):
+            return None
+        tail = context.token_ids[-(self.max_depth - 1) :].tolist()
+        return self.best_tree(self.global_trie, tail, context.max_draft_len)
 
     def observe(self, prompt: Sequence[int], output: Sequence[int], hidden_states=None) -> None:
         """A generation finished: keep its output in the global trie, evicting oldest first."""
