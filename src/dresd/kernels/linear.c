@@ -19,12 +19,19 @@
  * outputs n are independent of each other, so how the work is tiled (rows sharing a weight
  * load, panels of outputs per thread) changes which lanes and registers compute at the same
  * time, never the instructions applied to one output. Threads split the outputs (panels of
- * 64) and the rows (tiles of MAX_TILE); never k.
+ * 32) and the rows (tiles of up to MAX_TILE); never k.
  *
- * The weight layout (packed once by cpu_linear.py, so that a panel streams contiguously):
- *   packed[panel][p][part][lane][2] = W[panel * 64 + part * 16 + lane][2p + (0, 1)]
- * panels of PANEL = 64 outputs (N padded to a multiple of 64 with zero rows, outputs dropped),
- * 4 parts of 16 lanes: 256 bytes per pair of k, read once per row tile in address order.
+ * The weight layout (packed once by linear.py, so that a panel streams contiguously):
+ *   packed[panel][p][part][lane][2] = W[panel * 32 + part * 16 + lane][2p + (0, 1)]
+ * panels of PANEL = 32 outputs (N padded to a multiple of 32 with zero rows, outputs dropped),
+ * 2 parts of 16 lanes: 128 bytes per pair of k, read once per row tile in address order.
+ *
+ * Why these sizes: a verify forward's rows (a draft tree, or a batch's rows) should cost what one
+ * row does, and they do while every row shares one read of the weights. With 2 registers of
+ * outputs a panel, 14 rows' accumulators (28 registers) fit beside the weights and the
+ * broadcast input, so up to 14 rows take one pass; 4 registers a panel fit only 6. And the
+ * prefetch runs 16 KB ahead: at 8 rows, 4 KB ahead left a one-core stream short of its
+ * bandwidth (benchmarks/results/linear_tiles.md: 576->1536 at 8 rows 125 -> 99 us, 1 row 97).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -33,26 +40,33 @@
 #include "bf16.h"
 
 #define LANES 16                /* float32 lanes of a register: outputs computed at once */
-#define PARTS 4                 /* registers per panel: independent accumulators */
+/* The three sizes below can be set with -D to try others (benchmarks/micro/linear_tiles.py);
+ * linear.py packs for PARTS = 2. */
+#ifndef PARTS
+#define PARTS 2                 /* registers per panel: independent accumulators */
+#endif
 #define PANEL (PARTS * LANES)   /* outputs per panel */
-#define MAX_TILE 6              /* rows sharing each weight load (6 x 4 accumulators) */
+#ifndef MAX_TILE
+#define MAX_TILE 14             /* rows sharing each weight load (14 x 2 accumulators) */
+#endif
+#define MAX_CASE 14             /* the largest tile panel_tile has a case for (MAX_TILE <= it) */
 #ifndef PREFETCH
-#define PREFETCH 16             /* pairs of k ahead (16: 4 KB) that each step prefetches */
+#define PREFETCH 128            /* pairs of k ahead (128: 16 KB) that each step prefetches */
 #endif
 
 /* y rows [first, first + TILE) of one panel: see the header for the order of each sum. */
 static inline __attribute__((always_inline)) void tile(
         const int TILE, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int pairs,
         const float *bias, uint16_t *y, int64_t y_stride, int outputs) {
-    __m512 acc[MAX_TILE][PARTS];
+    __m512 acc[MAX_CASE][PARTS];
     for (int i = 0; i < TILE; i++)
         for (int part = 0; part < PARTS; part++) acc[i][part] = _mm512_setzero_ps();
-    const int32_t *rows[MAX_TILE];
+    const int32_t *rows[MAX_CASE];
     for (int i = 0; i < TILE; i++) rows[i] = (const int32_t *)(x + i * x_stride);
     for (int p = 0; p < pairs; p++) {
         const uint16_t *w = panel + (int64_t)p * 2 * PANEL;
 #if PREFETCH
-        for (int line = 0; line < 4; line++)
+        for (int line = 0; line < PARTS; line++) /* one 64-byte line a part */
             _mm_prefetch((const char *)(w + PREFETCH * 2 * PANEL) + 64 * line, _MM_HINT_T0);
 #endif
         __m512bh weights[PARTS];
@@ -85,6 +99,14 @@ static void panel_tile(int count, const uint16_t *x, int64_t x_stride, const uin
                        int pairs, const float *bias, uint16_t *y, int64_t y_stride,
                        int outputs) {
     switch (count) {
+        case 14: tile(14, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 13: tile(13, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 12: tile(12, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 11: tile(11, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 10: tile(10, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 9: tile(9, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 8: tile(8, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
+        case 7: tile(7, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
         case 6: tile(6, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
         case 5: tile(5, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
         case 4: tile(4, x, x_stride, panel, pairs, bias, y, y_stride, outputs); break;
@@ -96,7 +118,7 @@ static void panel_tile(int count, const uint16_t *x, int64_t x_stride, const uin
 }
 
 /* x: rows x (2 * pairs) bf16, row stride x_stride (elements; a row of odd K padded with a zero
- * by the caller); packed: the layout of the header, ceil(n / 64) panels; bias: n_padded float32
+ * by the caller); packed: the layout of the header, ceil(n / 32) panels; bias: n_padded float32
  * or NULL; y: rows x n bf16, row stride y_stride. threads: OpenMP threads (1: no parallel
  * region). */
 void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t *packed,
@@ -107,13 +129,15 @@ void dresd_linear(const uint16_t *x, int64_t x_stride, int rows, const uint16_t 
     int items = panels * tiles;
     if (threads > items) threads = items; /* an idle thread would only add to the join */
     /* Work item = (panel, row tile), panel-major: a thread's items are consecutive row tiles
-     * of one panel, so the panel's weights stay in cache across all its rows. Items this fine
-     * keep two threads even: a 9-panel layer (576 outputs) at 16 rows is 27 items, split 14/13,
-     * where whole panels split 5/4. */
+     * of one panel, so the panel's weights stay in cache across all its rows. The tiles are
+     * as even as they can be (16 rows: 8 + 8, not 14 + 2): each pass over the panel then does
+     * as many rows' work per byte read as it can. */
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int item = 0; item < items; item++) {
-        int panel = item / tiles, first = item % tiles * MAX_TILE;
-        int count = rows - first < MAX_TILE ? rows - first : MAX_TILE;
+        int panel = item / tiles, tile_index = item % tiles;
+        int base = rows / tiles, longer = rows % tiles; /* the first `longer` tiles: base + 1 */
+        int count = base + (tile_index < longer);
+        int first = tile_index * base + (tile_index < longer ? tile_index : longer);
         int outputs = n - panel * PANEL < PANEL ? n - panel * PANEL : PANEL;
         panel_tile(count, x + first * x_stride, x_stride,
                    packed + (int64_t)panel * pairs * 2 * PANEL, pairs,

@@ -31,7 +31,7 @@ from dresd.kernels import BF16_HEADER
 SOURCE = Path(__file__).with_name("linear.c")
 # No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
-PANEL = 64  # outputs per panel of the packed layout (kernels/linear.c's PANEL)
+PANEL = 32  # outputs per panel of the packed layout (kernels/linear.c's PANEL)
 
 
 @functools.cache
@@ -52,7 +52,7 @@ def kernel() -> ctypes.CDLL | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] bf16 -> the kernel's layout: packed[panel][p][part][lane][2] =
-    W[panel * 64 + part * 16 + lane][2p + (0, 1)], N padded to whole panels and K to even
+    W[panel * 32 + part * 16 + lane][2p + (0, 1)], N padded to whole panels and K to even
     with zeros. Returned flat, contiguous."""
     n, k = weight.shape
     n_padded, k_padded = -(-n // PANEL) * PANEL, k + k % 2
@@ -65,7 +65,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for x [..., K] bf16 on the CPU, W packed by `pack`; bias: float32
-    [N padded to 64] or None. threads: default `torch.get_num_threads()`. Returns [..., N]."""
+    [N padded to 32] or None. threads: default `torch.get_num_threads()`. Returns [..., N]."""
     k = x.shape[-1]
     rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.stride(-1) != 1 or k % 2:
