@@ -44,7 +44,8 @@ from dresd.host import cache_dir
 from dresd.models import Target
 
 # rows of one forward: a tree, or (the same price) every row of a batched step
-TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# (14 and 28: where linear.c's row tiles are full, before a curve's steps up)
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 14, 16, 24, 28, 32, 48, 64, 96, 128)
 
 
 def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
@@ -62,9 +63,9 @@ def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
 CONTEXT_LEN = 384  # cached tokens the trees are verified on
 REPEATS = 15  # timed sweeps over the sizes, after one warm-up sweep
 # how the curve is measured (4: C attention; 5: the loop's own forward, up to 128 rows; 6: that
-# forward on the C decoder; 8: quant.c's flatter multi-row tiles); a cached other one is measured
-# again
-CURVE_VERSION = 8
+# forward on the C decoder; 8: quant.c's flatter multi-row tiles; 9: linear.c's 14-row tiles);
+# a cached other one is measured again
+CURVE_VERSION = 9
 
 
 @torch.inference_mode()
