@@ -3,10 +3,10 @@
 `kernels/linear.c` is compiled once per configuration (-DPARTS, -DMAX_TILE, -DPREFETCH; the
 weights packed for each configuration's panel of PARTS x 16 outputs), and every configuration
 runs the default model's shapes (576->3072 gate/up fused, 1536->576 down, 576->49152 LM head)
-at each M, alternating configuration by configuration, 1 thread, medians of the repeats. Each
-shape cycles over ~128 MB of copies of its weights, so every call reads them from memory, as a
-forward does. Every configuration's output must be bit for bit the first one's (the kernel's
-promise: tiling never changes an output's sum).
+at each M, alternating configuration by configuration, at --threads (default 1), medians of the
+repeats. Each shape cycles over ~128 MB of copies of its weights, so every call reads them from
+memory, as a forward does. Every configuration's output must be bit for bit the first one's (the
+kernel's promise: tiling never changes an output's sum).
 
     .venv/bin/python benchmarks/micro/linear_tiles.py \
         --configs "4,6,16 2,14,16 2,14,64 2,14,128" --rows 1,4,6,7,8,12,14,16,24
@@ -56,6 +56,7 @@ def main() -> None:
                         help="space-separated PARTS,MAX_TILE,PREFETCH")
     parser.add_argument("--rows", default="1,4,6,7,8,12,14,16,24")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split()]
     rows = [int(m) for m in args.rows.split(",")]
@@ -79,7 +80,7 @@ def main() -> None:
                         started = perf_counter()
                         for weights in packed[index]:
                             function(x.data_ptr(), k, m, weights.data_ptr(), k // 2, n, None,
-                                     outs[index].data_ptr(), n, 1)
+                                     outs[index].data_ptr(), n, args.threads)
                         times[index].append((perf_counter() - started) / copies * 1e6)
                 if not all(torch.equal(out, outs[0]) for out in outs):
                     raise SystemExit(f"{shape} M={m}: the configurations' outputs differ")
