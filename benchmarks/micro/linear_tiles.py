@@ -1,16 +1,17 @@
 """How the C linear kernel's panel width, row tile and prefetch distance price a call of M rows.
 
-`kernels/linear.c` is compiled once per configuration (-DPARTS, -DMAX_TILE, -DPREFETCH; the
-weights packed for each configuration's panel of PARTS x 16 outputs), and every configuration
-runs the default model's shapes (576->3072 gate/up fused, 1536->576 down, 576->49152 LM head)
-at each M, alternating configuration by configuration, at --threads (default 1), medians of the
-repeats. Each shape cycles over ~128 MB of copies of its weights, so every call reads them from
+`kernels/linear.c` is compiled once per configuration (-DPARTS, -DMAX_TILE, -DPREFETCH for
+tiles of 7+ rows, -DPREFETCH_FEW for smaller ones; the weights packed for each configuration's
+panel of PARTS x 16 outputs), and every configuration runs the default model's shapes
+(576->3072 gate/up fused, 1536->576 down, 576->49152 LM head) at each M, alternating
+configuration by configuration, at --threads (default 1), medians of the repeats. Each shape cycles over ~128 MB of copies of its weights, so every call reads them from
 memory, as a forward does. Every configuration's output must be bit for bit the first one's (the
 kernel's promise: tiling never changes an output's sum).
 
     .venv/bin/python benchmarks/micro/linear_tiles.py \
-        --configs "4,6,16 2,14,16 2,14,64 2,14,128" --rows 1,4,6,7,8,12,14,16,24
-    (each config: PARTS,MAX_TILE,PREFETCH)
+        --configs "4,6,16,16 2,14,128,128 2,14,128,32" --rows 1,4,6,7,8,12,14,16,24
+    (each config: PARTS,MAX_TILE,PREFETCH,PREFETCH_FEW; 4,6,16,16 is the kernel before 4dcf36d,
+    2,14,128,128 at 4dcf36d, 2,14,128,32 after)
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ SHAPES = {"gate/up 576->3072": (3072, 576), "down 1536->576": (576, 1536),
           "head 576->49152": (49152, 576)}
 
 
-def compile_config(parts: int, max_tile: int, prefetch: int, folder: Path) -> ctypes.CDLL:
-    out = folder / f"linear-{parts}-{max_tile}-{prefetch}.so"
+def compile_config(parts: int, max_tile: int, prefetch: int, prefetch_few: int, folder: Path
+                   ) -> ctypes.CDLL:
+    out = folder / f"linear-{parts}-{max_tile}-{prefetch}-{prefetch_few}.so"
     subprocess.run(["gcc", *cpu_linear.FLAGS, f"-DPARTS={parts}", f"-DMAX_TILE={max_tile}",
-                    f"-DPREFETCH={prefetch}", f"-I{cpu_linear.SOURCE.parent}",
+                    f"-DPREFETCH={prefetch}", f"-DPREFETCH_FEW={prefetch_few}",
+                    f"-I{cpu_linear.SOURCE.parent}",
                     str(cpu_linear.SOURCE), "-o", str(out)], check=True)
     function = ctypes.CDLL(str(out)).dresd_linear
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -52,8 +55,8 @@ def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="4,6,16 2,14,16 2,14,64 2,14,128",
-                        help="space-separated PARTS,MAX_TILE,PREFETCH")
+    parser.add_argument("--configs", default="4,6,16,16 2,14,128,128 2,14,128,32",
+                        help="space-separated PARTS,MAX_TILE,PREFETCH,PREFETCH_FEW")
     parser.add_argument("--rows", default="1,4,6,7,8,12,14,16,24")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
@@ -70,7 +73,7 @@ def main() -> None:
             weight = (torch.randn(n, k, generator=generator) * k**-0.5).to(torch.bfloat16)
             copies = max(1, int(128e6 // weight.nbytes))
             packed = [[pack(weight, parts * 16) for _ in range(copies)]
-                      for parts, _, _ in configs]
+                      for parts, *_ in configs]
             for m in rows:
                 x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
                 times: list[list[float]] = [[] for _ in configs]

@@ -63,9 +63,9 @@ def random_tree(size: int, vocab: int, rng: np.random.Generator) -> DraftTree:
 CONTEXT_LEN = 384  # cached tokens the trees are verified on
 REPEATS = 15  # timed sweeps over the sizes, after one warm-up sweep
 # how the curve is measured (4: C attention; 5: the loop's own forward, up to 128 rows; 6: that
-# forward on the C decoder; 8: quant.c's flatter multi-row tiles; 9: linear.c's 14-row tiles);
-# a cached other one is measured again
-CURVE_VERSION = 9
+# forward on the C decoder; 8: quant.c's flatter multi-row tiles; 9: linear.c's 14-row tiles;
+# 10: and its 4 KB prefetch again for tiles of up to 6 rows); a cached other one is measured again
+CURVE_VERSION = 10
 
 
 @torch.inference_mode()

@@ -29,9 +29,10 @@
  * Why these sizes: a verify forward's rows (a draft tree, or a batch's rows) should cost what one
  * row does, and they do while every row shares one read of the weights. With 2 registers of
  * outputs a panel, 14 rows' accumulators (28 registers) fit beside the weights and the
- * broadcast input, so up to 14 rows take one pass; 4 registers a panel fit only 6. And the
- * prefetch runs 16 KB ahead: at 8 rows, 4 KB ahead left a one-core stream short of its
- * bandwidth (benchmarks/results/linear_tiles.md: 576->1536 at 8 rows 125 -> 99 us, 1 row 97).
+ * broadcast input, so up to 14 rows take one pass; 4 registers a panel fit only 6. And a tile
+ * of 7+ rows prefetches 16 KB ahead: 4 KB ahead left a one-core stream short of its bandwidth
+ * (benchmarks/results/linear_tiles.md: 576->3072 at 8 rows 125 -> 99 us, 1 row 97). Smaller
+ * tiles keep 4 KB: 16 KB made a one-row decode step's linears ~3% slower in the model (perf).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -53,6 +54,10 @@
 #ifndef PREFETCH
 #define PREFETCH 128            /* pairs of k ahead (128: 16 KB) that each step prefetches */
 #endif
+#ifndef PREFETCH_FEW
+#define PREFETCH_FEW 32         /* the same for tiles of up to FEW_ROWS rows (32: 4 KB) */
+#endif
+#define FEW_ROWS 6
 
 /* y rows [first, first + TILE) of one panel: see the header for the order of each sum. */
 static inline __attribute__((always_inline)) void tile(
@@ -66,8 +71,9 @@ static inline __attribute__((always_inline)) void tile(
     for (int p = 0; p < pairs; p++) {
         const uint16_t *w = panel + (int64_t)p * 2 * PANEL;
 #if PREFETCH
+        const int ahead = TILE <= FEW_ROWS ? PREFETCH_FEW : PREFETCH;
         for (int line = 0; line < PARTS; line++) /* one 64-byte line a part */
-            _mm_prefetch((const char *)(w + PREFETCH * 2 * PANEL) + 64 * line, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + ahead * 2 * PANEL) + 64 * line, _MM_HINT_T0);
 #endif
         __m512bh weights[PARTS];
         for (int part = 0; part < PARTS; part++)
