@@ -1,12 +1,13 @@
 """How the C linear kernel's panel width, row tile and prefetch distance price a call of M rows.
 
-`kernels/linear.c` is compiled once per configuration (-DPARTS, -DMAX_TILE, -DPREFETCH for
-tiles of 7+ rows, -DPREFETCH_FEW for smaller ones; the weights packed for each configuration's
-panel of PARTS x 16 outputs), and every configuration runs the default model's shapes
-(576->3072 gate/up fused, 1536->576 down, 576->49152 LM head) at each M, alternating
-configuration by configuration, at --threads (default 1), medians of the repeats. Each shape cycles over ~128 MB of copies of its weights, so every call reads them from
-memory, as a forward does. Every configuration's output must be bit for bit the first one's (the
-kernel's promise: tiling never changes an output's sum).
+`kernels/linear.c` is compiled once per configuration (-DPARTS, -DMAX_TILE, -DPREFETCH for tiles
+of 7+ rows, -DPREFETCH_FEW for smaller ones; the weights packed for each configuration's panel
+of PARTS x 16 outputs), and every configuration runs the default model's shapes (576->3072
+gate/up fused, 1536->576 down, 576->49152 LM head) at each M, alternating configuration by
+configuration, at --threads (default 1), medians of the repeats. Each shape cycles over ~128 MB
+of copies of its weights, so every call reads them from memory, as a forward does. Every
+configuration's output must be bit for bit the first one's (the kernel's promise: tiling never
+changes an output's sum).
 
     .venv/bin/python benchmarks/micro/linear_tiles.py \
         --configs "4,6,16,16 2,14,128,128 2,14,128,32" --rows 1,4,6,7,8,12,14,16,24
