@@ -25,6 +25,7 @@ from dresd.calibrate import cost_at, cost_table
 from dresd.decoding import SamplingConfig, speculative_generate
 from dresd.decoding.budget import CostCurve
 from dresd.decoding.drafter import Candidate, DraftContext, Drafter
+from dresd.decoding.tree import DraftTree
 from dresd.drafters.dense import agreeing_prefixes
 from dresd.drafters.hybrid import (
     AcceptanceTable,
@@ -384,6 +385,40 @@ class RandomSource(Drafter):
                 tokens, neighbours=int(rng.integers(0, 6)) if self.neighbours else 0,
                 shares=rng.random(len(tokens)).tolist() if self.shares else None))
         return found
+
+
+def test_the_cut_lists_each_nodes_children_most_probable_first():
+    """On 300 random trees and tables: the drafts hold exactly the n most probable nodes, and
+    merged as the engine merges them (`DraftTree.from_drafts`), every node's children come in
+    the order of their reach (then node), so a node's rank among its siblings, which the batch
+    budget prices under load, is its rank by reach. A cut that listed leaves by their own reach
+    fails this: a probable node whose children are less probable than a sibling leaf."""
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(300):
+        tree = CandidateTree()
+        for _ in range(int(rng.integers(1, 12))):
+            tree.add(Candidate(rng.integers(0, 4, int(rng.integers(1, 6))).tolist()),
+                     str(rng.choice(["pld", "suffix", "rest"])))
+        table = AcceptanceTable()
+        for v in range(1, len(tree.tokens)):
+            cell = tree.cell(v, v == tree.first_child(tree.parents[v]))
+            for _ in range(int(rng.integers(0, 8))):
+                table.observe(cell, bool(rng.random() < 0.6))
+        costs = cost_table({1: 1.0, 2: 1.02, 8: 1.1, 32: 2.0}, 64)
+        drafts, n = tree.cut(table, costs, max_nodes=int(rng.integers(1, 40)))
+        reach = tree.reach_probabilities(table)
+        ranked = sorted(range(1, len(tree.tokens)), key=lambda v: (-reach[v], v))
+        merged = DraftTree.from_drafts(-1, drafts)
+        ids = {0: 0}  # merged node -> candidate tree node, by their tokens
+        for node in range(1, len(merged.tokens)):
+            ids[node] = tree.children[ids[merged.parents[node]]][merged.tokens[node]]
+        assert sorted(ids.values())[1:] == sorted(ranked[:n])
+        for node, children in enumerate(merged.children):
+            order = [ids[child] for child in children.values()]  # insertion: the drafts' order
+            assert order == sorted(order, key=lambda v: (-reach[v], v)), (node, order)
+            checked += len(order) > 1
+    assert checked > 50
 
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler: the Python tree drafts")

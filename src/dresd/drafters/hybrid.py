@@ -308,13 +308,24 @@ class CandidateTree:
             ) -> tuple[list[Draft], int]:
         """Steps 2-3 of the module doc: of the `max_nodes` most probable nodes, the first n that
         maximise expected tokens per verify cost (`best_budget`, `costs[t]` = cost(t)), as root
-        paths, the most probable leaf first; and n."""
+        paths; and n. The paths in the order of a walk from the root that visits each node's
+        kept children most probable first: the first path follows the most probable child at
+        every depth, and a node's rank among its siblings in the drafts (what the batch budget
+        prices under load, `decoding/budget.py`) is its rank by reach."""
         reach = self.reach_probabilities(table)
         order = np.argsort(-np.asarray(reach[1:]), kind="stable")[:max_nodes] + 1
         n = best_budget([reach[i] for i in order], costs)
-        kept = set(order[:n].tolist())
-        leaves = [v for v in kept if not any(c in kept for c in self.children[v].values())]
-        return [self.path(v) for v in sorted(leaves, key=lambda v: (-reach[v], v))], n
+        rank = {v: i for i, v in enumerate(order[:n].tolist())}  # by reach, then node
+        leaves = [v for v in rank if not any(c in rank for c in self.children[v].values())]
+
+        def ranks_from_root(node: int) -> list[int]:
+            ranks = []
+            while node > 0:
+                ranks.append(rank[node])
+                node = self.parents[node]
+            return ranks[::-1]
+
+        return [self.path(v) for v in sorted(leaves, key=ranks_from_root)], n
 
     def learn(self, emitted: list[int], table: AcceptanceTable) -> dict[str, int]:
         """Step 4: every child of a node on the emitted path (the accepted tokens, then the

@@ -362,11 +362,14 @@ static int by_reach(const void *a, const void *b) {
 
 /* The cut: the max_nodes most probable nodes, of which the first n with n maximising
  * (1 + their reach summed) / costs[n + 1] are kept (n = 0: nothing). Writes the kept nodes'
- * leaves, most probable first, to leaves; returns the leaf count and sets *kept_out = n.
- * order and is_parent: scratch of `nodes` entries. */
+ * leaves to leaves, in the order of a walk from the root that visits each node's kept children
+ * most probable first (reach, then node): so the first draft follows the most probable child at
+ * every depth, and each node's rank among its siblings in the drafts (what the batch budget
+ * prices under load) is its rank by reach. Returns the leaf count and sets *kept_out = n.
+ * order, first and next: scratch of `nodes` entries. */
 static int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const double *reach,
-                            const double *costs, int max_nodes, int32_t *order,
-                            uint8_t *is_parent, int32_t *leaves, int *kept_out) {
+                            const double *costs, int max_nodes, int32_t *order, int32_t *first,
+                            int32_t *next, int32_t *leaves, int *kept_out) {
     for (int v = 1; v < nodes; v++) order[v - 1] = v;
     sort_reach = reach;
     qsort(order, nodes - 1, sizeof(int32_t), by_reach);
@@ -379,13 +382,21 @@ static int dresd_hybrid_cut(const int32_t *tree, int capacity, int nodes, const 
         if (ratio > best) { best = ratio; kept = n; }
     }
     *kept_out = kept;
-    /* A kept node is a leaf when none of the kept nodes is its child: mark their parents. */
-    memset(is_parent, 0, nodes);
+    /* Each kept node's kept children, most probable first: prepended from the least. */
     const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
-    for (int i = 0; i < kept; i++) is_parent[parent[order[i]]] = 1;
-    int count = 0;
-    for (int i = 0; i < kept; i++)  /* order is by reach, then node: the leaves' order too */
-        if (!is_parent[order[i]]) leaves[count++] = order[i];
+    for (int v = 0; v < nodes; v++) first[v] = -1;
+    for (int i = kept - 1; i >= 0; i--) {
+        int v = order[i];
+        next[v] = first[parent[v]];
+        first[parent[v]] = v;
+    }
+    int count = 0, v = first[0];
+    while (v > 0) {  /* depth first; a node with no kept child is a leaf */
+        if (first[v] >= 0) { v = first[v]; continue; }
+        leaves[count++] = v;
+        while (v > 0 && next[v] < 0) v = parent[v];
+        if (v > 0) v = next[v];
+    }
     return count;
 }
 
@@ -448,15 +459,15 @@ int dresd_hybrid_draft(const int32_t *last_tree, int last_capacity, const int64_
     if (nodes < 0) return -1;
     record[0] = nodes;
     if (nodes < 2) return (int)(path - record);
-    /* reach (double), order and leaves (int32), is_parent (uint8): capacity entries each */
-    double *reach = malloc((size_t)capacity * (sizeof(double) + 2 * sizeof(int32_t) + 1));
+    /* reach (double), order, first, next and leaves (int32): capacity entries each */
+    double *reach = malloc((size_t)capacity * (sizeof(double) + 4 * sizeof(int32_t)));
     if (!reach) return -1;
-    int32_t *order = (int32_t *)(reach + capacity), *leaves = order + capacity;
-    uint8_t *is_parent = (uint8_t *)(leaves + capacity);
+    int32_t *order = (int32_t *)(reach + capacity), *first = order + capacity;
+    int32_t *next = first + capacity, *leaves = next + capacity;
     dresd_hybrid_reach(tree, capacity, nodes, accepted, tried, prior, strength, reach);
     int kept = 0;
-    int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order,
-                                 is_parent, leaves, &kept);
+    int count = dresd_hybrid_cut(tree, capacity, nodes, reach, costs, max_nodes, order, first,
+                                 next, leaves, &kept);
     record[1] = kept;
     const int32_t *token = COLUMN(tree, capacity, T_TOKEN);
     const int32_t *parent = COLUMN(tree, capacity, T_PARENT);
