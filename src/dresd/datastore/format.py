@@ -290,6 +290,7 @@ class AtomicBuild:
                 )
             self.resumed = True
         elif self._finished_before():
+            shutil.rmtree(self.chunks, ignore_errors=True)  # killed while removing them
             self._rename()
             self.finished = True
             return self
@@ -356,11 +357,15 @@ class AtomicBuild:
         manifest.build_plan = self.plan_sha256
         for folder in {(self.dir / name).parent for name in keep}:
             fsync_file(folder)  # the files' names too
-        # The manifest first, the plan file last: a rerun after a kill anywhere in between
-        # either resumes (plan present) or recognises the finished store (`_finished_before`).
+        # The manifest, then the plan file's removal, then the chunks': a rerun after a kill
+        # anywhere in between either resumes with every chunk file in place (plan present) or
+        # recognises the finished store (`_finished_before`) and drops what is left of the
+        # chunks. Removing the chunks first would let a kill halfway through them leave chunks
+        # marked done without their keys, which a resumed build then cannot join.
         write_atomic(self.dir / MANIFEST, manifest.to_json().encode())
-        shutil.rmtree(self.chunks, ignore_errors=True)
         (self.dir / PLAN).unlink(missing_ok=True)
+        fsync_file(self.dir)
+        shutil.rmtree(self.chunks, ignore_errors=True)
         return self._rename()
 
     def _rename(self) -> Path:
