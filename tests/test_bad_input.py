@@ -110,7 +110,7 @@ GENERATE_VALUES = [
     (["--temperature", "0.7", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--temperature", "0.7", "--top-k", "-1"], "top_k must be >= 0"),
     (["--temperature", "0.7", "--seed", "-1"], "--seed: must be in [0, 2**63)"),
-    (["--threads", "-2"], "--threads must be >= 1"),
+    (["--threads", "-2"], "--threads: must be in [1, 4096]"),
     (["--num-drafts", "0"], "num_drafts"),
     (["--draft-len", "-1"], "draft_len"),
     (["--pld-max-ngram", "0"], "min_ngram <= max_ngram"),

@@ -35,7 +35,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     (["--prompt", "hi", "--temperature", "0.7", "--top-k", "-2"], "top_k must be >= 0"),
     (["--prompt", "hi", "--top-p", "0.9"], "also give --temperature"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--prompt", "hi", "--threads", "0"], "--threads must be >= 1"),
+    (["--prompt", "hi", "--threads", "0"], "--threads: must be in [1, 4096]"),
     (["--prompt-file", "/no/such/file.txt"], "does not exist"),
     (["--prompt", "hi", "--model", "/no/such/model"], "does not exist"),
 ])

@@ -48,6 +48,16 @@ def seed_int(text: str) -> int:
     return value
 
 
+MAX_THREADS = 4096  # beyond any CPU's cores; torch takes a C int
+
+
+def thread_count(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_THREADS}], got {text}")
+    return value
+
+
 def add_dtype_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="the model's dtype; auto (default): bfloat16 where the hardware "
@@ -62,7 +72,7 @@ def add_device_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_threads_option(p: argparse.ArgumentParser, help: str = "PyTorch threads") -> None:
-    p.add_argument("--threads", type=int, default=None, help=help)
+    p.add_argument("--threads", type=thread_count, default=None, help=help)
 
 
 def add_save_outputs_option(p: argparse.ArgumentParser) -> None:
