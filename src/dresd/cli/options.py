@@ -172,9 +172,7 @@ def prefix_cache_mb(args: argparse.Namespace) -> float | None:
 
 def set_threads(args: argparse.Namespace) -> None:
     """Apply --threads (every command that runs the model has it)."""
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:  # in range: `thread_count` parsed it
         torch.set_num_threads(args.threads)
 
 
