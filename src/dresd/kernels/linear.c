@@ -41,8 +41,8 @@
 #include "bf16.h"
 
 #define LANES 16                /* float32 lanes of a register: outputs computed at once */
-/* The three sizes below can be set with -D to try others (benchmarks/micro/linear_tiles.py);
- * linear.py packs for PARTS = 2. */
+/* PARTS, MAX_TILE (at most MAX_CASE), PREFETCH and PREFETCH_FEW can be set with -D to try
+ * others (benchmarks/micro/linear_tiles.py); linear.py packs for PARTS = 2. */
 #ifndef PARTS
 #define PARTS 2                 /* registers per panel: independent accumulators */
 #endif
