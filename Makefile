@@ -7,15 +7,22 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# The demo: a dense + sparse datastore of 400 GSM8K training answers (built once, a few minutes
-# on 2 cores), then AR, PLD, suffix, REST, DReSD and hybrid side by side on the first GSM8K test
-# questions, DReSD at its default (the step budget), at the paper's shape (budget=0) and at the
-# 4-node tree (benchmarks/results/fast_path), in the dtype --dtype auto picks. Then the default
-# model's own Q4_1 GGUF file, its quantized weights run natively: AR, PLD, suffix and hybrid (the
-# demo store belongs to the bf16 checkpoint, so no retrieval there).
+# The demo: the default model's own greedy answers to 400 GSM8K training questions (regenerated
+# once, batched), and a dense + sparse datastore of them (built once; ~2 minutes together on 2
+# cores): DReSD's setting, a store of the target's own outputs on the workload. Then AR, PLD,
+# suffix, REST, DReSD and hybrid side by side on the first GSM8K test questions, DReSD at its
+# default (the step budget), at the paper's shape (budget=0) and at the 4-node tree
+# (benchmarks/results/fast_path), in the dtype --dtype auto picks. Then the default model's own
+# Q4_1 GGUF file, its quantized weights run natively, with a store of its own answers (another
+# model: its hidden states and answers are its own): AR, PLD, suffix, DReSD and hybrid.
 DATA       ?= ../shared/data
-DEMO_STORE := runs/demo-gsm8k-store
 DEMO_OUT   := runs/demo
+DEMO_STORE := runs/demo-gsm8k-id-store
+DEMO_GGUF_STORE := runs/demo-gsm8k-id-gguf-store
+# regenerate's options for both models; it resumes a .part file, renamed once whole
+REGENERATE := corpus regenerate --corpus $(DATA)/gsm8k/train.jsonl --prompt-field question \
+	--response-field answer --limit 400 --max-new-tokens 128 --batch-size 16
+STORE_FROM := build --kind dense,sparse --prompt-field question --response-field answer
 
 .PHONY: demo test test-fast lint model
 
@@ -29,15 +36,24 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(BIN)/dresd fetch-model
 
-$(DEMO_STORE)/manifest.json: | model
-	$(BIN)/dresd build --kind dense,sparse --corpus $(DATA)/gsm8k/train.jsonl \
-		--prompt-field question --response-field answer --limit 400 --out $(DEMO_STORE)
+runs/demo-gsm8k-id.jsonl: | model
+	$(BIN)/dresd $(REGENERATE) --model default --out $@.part && mv $@.part $@
 
-demo: model $(DEMO_STORE)/manifest.json
+runs/demo-gsm8k-id-gguf.jsonl: | model
+	$(BIN)/dresd $(REGENERATE) --model default-gguf --out $@.part && mv $@.part $@
+
+$(DEMO_STORE)/manifest.json: runs/demo-gsm8k-id.jsonl
+	$(BIN)/dresd $(STORE_FROM) --model default --corpus $< --out $(DEMO_STORE)
+
+$(DEMO_GGUF_STORE)/manifest.json: runs/demo-gsm8k-id-gguf.jsonl
+	$(BIN)/dresd $(STORE_FROM) --model default-gguf --corpus $< --out $(DEMO_GGUF_STORE)
+
+demo: model $(DEMO_STORE)/manifest.json $(DEMO_GGUF_STORE)/manifest.json
 	$(BIN)/dresd bench --methods 'ar,pld,suffix,rest[max_tree_nodes=4],dresd,dresd[budget=0],dresd[max_tree_nodes=4],hybrid' \
 		--datastore $(DEMO_STORE) --dataset gsm8k \
 		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
-	$(BIN)/dresd bench --model default-gguf --methods 'ar,pld,suffix,hybrid' --dataset gsm8k \
+	$(BIN)/dresd bench --model default-gguf --methods 'ar,pld,suffix,dresd,hybrid' \
+		--datastore $(DEMO_GGUF_STORE) --dataset gsm8k \
 		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)-gguf
 
 lint: $(STAMP)

@@ -8,18 +8,16 @@
 #      single-stream, on GSM8K (the store's own domain), MT-Bench and HumanEval (out of it):
 #      the promise that no method is slower than plain decoding by default
 #      (results/dresd_default/<set>/report.md).
-# One PyTorch thread; the datastore is make demo's (400 GSM8K answers), built here if absent.
+# One PyTorch thread; the datastore is make demo's (the model's own answers to 400 GSM8K
+# training questions), made here by make if absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DRESD=.venv/bin/dresd
-STORE=runs/demo-gsm8k-store
+STORE=runs/demo-gsm8k-id-store
 RESULTS=benchmarks/results
 export OMP_NUM_THREADS=1
 
-if [ ! -f "$STORE/manifest.json" ]; then
-  $DRESD build --kind dense,sparse --corpus ../shared/data/gsm8k/train.jsonl \
-    --prompt-field question --response-field answer --limit 400 --out "$STORE"
-fi
+make "$STORE/manifest.json"
 
 $DRESD bench --methods ar,pld,suffix,hybrid --dataset gsm8k --limit 32 --max-new-tokens 64 \
   --threads 1 --concurrency 1,4,16,32 --rounds 3 --out "$RESULTS/concurrency/gsm8k"

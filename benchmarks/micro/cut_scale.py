@@ -14,7 +14,7 @@ For each alpha this writes the scaled curve over the cached one, runs `dresd ben
 arguments given after `--`, and puts the measured curve back (also on failure):
 
     PYTHONPATH=src .venv/bin/python benchmarks/micro/cut_scale.py --alphas 1,0.6,0 \\
-        --out runs/cut-scale -- --methods ar,hybrid --datastore runs/demo-gsm8k-store \\
+        --out runs/cut-scale -- --methods ar,hybrid --datastore runs/demo-gsm8k-id-store \\
         --dataset gsm8k --limit 6 --max-new-tokens 128
 """
 

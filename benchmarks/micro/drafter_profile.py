@@ -9,7 +9,7 @@ into the step's token tree): what `dresd bench` reports as drafting. `observe` r
 finished generation; its per-step figure is its total over the steps.
 
     PYTHONPATH=src .venv/bin/python benchmarks/micro/drafter_profile.py \\
-        --datastore runs/demo-gsm8k-store --limit 6 --threads 1 \\
+        --datastore runs/demo-gsm8k-id-store --limit 6 --threads 1 \\
         --out benchmarks/results/drafter_profile
 """
 
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--methods", default="ar,pld,suffix,dresd,dresd[max_tree_nodes=4],"
                                              "rest[max_tree_nodes=4],hybrid")
-    parser.add_argument("--datastore", default="runs/demo-gsm8k-store",
+    parser.add_argument("--datastore", default="runs/demo-gsm8k-id-store",
                         help="'none': hybrid from PLD and suffix alone (a model with no store)")
     parser.add_argument("--dataset", default="gsm8k")
     parser.add_argument("--limit", type=int, default=6)

@@ -9,7 +9,7 @@ Both drafters see the same contexts in the same order, so they learn the same; w
 clock held still, they skip the same sources. The paired differences cancel the machine's drift.
 
     PYTHONPATH=src:benchmarks/micro .venv/bin/python benchmarks/micro/drafting_ab.py \\
-        --method hybrid --datastore runs/demo-gsm8k-store \\
+        --method hybrid --datastore runs/demo-gsm8k-id-store \\
         --replace dresd.drafters.hybrid:HybridDrafter._follows_last_step \\
         --with my_variants:old_follows_last_step
 

@@ -42,7 +42,7 @@ from dresd.runner import GenerationSettings, MethodRunner
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--method", default="hybrid")
-    parser.add_argument("--datastore", default="runs/demo-gsm8k-store")
+    parser.add_argument("--datastore", default="runs/demo-gsm8k-id-store")
     parser.add_argument("--limit", type=int, default=4, help="GSM8K questions recorded")
     parser.add_argument("--contexts", type=Path, default=None,
                         help="the recorded contexts (default: /tmp/dresd-contexts-METHOD.pkl); "

@@ -10,7 +10,7 @@ mkdir -p "$PEERS"
 
 if [ -z "${DATASTORE+x}" ]; then
   DATASTORE=none
-  [ -f runs/demo-gsm8k-store/manifest.json ] && DATASTORE=runs/demo-gsm8k-store
+  [ -f runs/demo-gsm8k-id-store/manifest.json ] && DATASTORE=runs/demo-gsm8k-id-store
 fi
 STORE_ARGS=()
 if [ "$DATASTORE" != none ]; then STORE_ARGS=(--datastore "$DATASTORE"); fi

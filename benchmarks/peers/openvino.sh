@@ -11,7 +11,7 @@
 # Then, per round, back to back at THREADS threads, on the same token ids (the first PROMPTS
 # GSM8K test questions, dresd's chat template; greedy):
 #   1. `dresd bench --methods ar,pld,suffix,hybrid` (interleaved prompt by prompt), TOKENS new
-#      tokens; hybrid with the demo store (runs/demo-gsm8k-store, `make demo`) where it exists;
+#      tokens; hybrid with the demo store (runs/demo-gsm8k-id-store, `make demo`) where it exists;
 #   2. OpenVINO `LLMPipeline` plain and with prompt lookup (5 tokens, n-gram 3), interleaved;
 #   3. transformers' `generate` without and with `prompt_lookup_num_tokens` (5, n-gram 3), on
 #      the model as dresd loads it (HF_MODELS=dresd; add `plain` for transformers' own bf16
@@ -27,7 +27,7 @@
 #   PROMPTS=2 TOKENS=16 BATCH=4 BATCH_TOKENS=16 ROUNDS=1 SMOKE=1 bash benchmarks/peers/openvino.sh
 #
 # Settings (environment): THREADS (2), PROMPTS (6), TOKENS (128), BATCH (16), BATCH_TOKENS
-# (64), ROUNDS (2), DATASTORE (runs/demo-gsm8k-store if present; `none`: without), HF_MODELS
+# (64), ROUNDS (2), DATASTORE (runs/demo-gsm8k-id-store if present; `none`: without), HF_MODELS
 # (dresd; `dresd,plain` adds plain transformers), OV_PROPERTIES (CPU plugin properties for
 # every OpenVINO pipeline, e.g. "KV_CACHE_PRECISION=bf16"), SMOKE=1 (writes
 # runs/peers/openvino/smoke.md instead of the results, labelled a smoke run).

@@ -10,7 +10,7 @@
 #     is the default model's; its prompt cache as it comes, `cache_prompt` on, unless
 #     CACHE_PROMPT=off sends `cache_prompt: false`);
 #   - `dresd serve --method M` for each M of METHODS (default: ar, then hybrid with the demo
-#     store, runs/demo-gsm8k-store, where `make demo` built it), each a fresh process, its
+#     store, runs/demo-gsm8k-id-store, where `make demo` built it), each a fresh process, its
 #     prefix cache on (its default) unless CACHE_PROMPT=off;
 # both on the same weights: WEIGHTS=bf16 (default) the bf16 GGUF for llama-server and the
 # default model in bf16 for dresd; WEIGHTS=q4_1 the default model's own Q4_1 file for both
@@ -30,7 +30,7 @@
 # Settings (environment): THREADS (2), CLIENTS (16), TOKENS (64), ROUNDS (2), REPEATS (2),
 # WEIGHTS (bf16 | q4_1), METHODS ("ar hybrid"), PROMPT_SET (builtin: serve_load.py's own 16
 # questions | gsm8k: 16 short GSM8K test questions), CACHE_PROMPT (on | off), DATASTORE
-# (runs/demo-gsm8k-store if present; `none`: without), OUTPUT (the table's path without suffix,
+# (runs/demo-gsm8k-id-store if present; `none`: without), OUTPUT (the table's path without suffix,
 # default benchmarks/results/peers/servers), SMOKE=1 (the table goes to WORK/smoke.md, labelled
 # a smoke run).
 #   WEIGHTS=q4_1 METHODS=ar PROMPT_SET=gsm8k THREADS=1 REPEATS=3 \
