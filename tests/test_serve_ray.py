@@ -144,8 +144,17 @@ def test_two_replicas_stream_what_generate_prints(deployment, default_references
     while pooled_successes(url) < len(QUESTIONS) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert pooled_successes(url) == len(QUESTIONS)
+    # a replica's gauges are listed while it has reported in the last STALE_S; it reports every
+    # REPORT_EVERY_S from a thread, which a loaded machine can hold up: wait for both
+    while replica_gauges(url) < 2 and time.monotonic() < deadline + 20:
+        time.sleep(0.5)
+    assert replica_gauges(url) == 2
+
+
+def replica_gauges(url: str) -> int:
+    """How many replicas /metrics lists a `replica_num_requests_running` gauge for."""
     text = get(url + "/metrics", key=KEY)[1]
-    assert len(re.findall(r'^dresd:replica_num_requests_running\{', text, re.MULTILINE)) == 2
+    return len(re.findall(r'^dresd:replica_num_requests_running\{', text, re.MULTILINE))
 
 
 def test_conversation_key():
