@@ -10,9 +10,11 @@ from drafters_for_tests import OracleDrafter, RandomTreeDrafter
 from test_batch import run_batched
 from test_lossless_greedy import reference_greedy, varied_prompts
 
-from dresd.decoding.batch import Request
+from dresd.decoding.batch import BatchEngine, Request
 from dresd.decoding.budget import (
     MAX_BACKOFF,
+    PRIOR_ACCEPTED,
+    PRIOR_TRIED,
     PROBE_EVERY,
     WARMUP_STEPS,
     AcceptanceEstimates,
@@ -85,7 +87,7 @@ def test_estimates_learn_what_is_accepted():
     tree = DraftTree.from_drafts(0, [[1, 2], [3]])
     before = estimates.reach("m", tree)
     for _ in range(20):
-        estimates.observe("m", tree, [0, 1, 2])  # the first draft is always right
+        estimates.observe("m", tree, [1, 2, 9])  # the first draft is always right
     after = estimates.reach("m", tree)
     assert after[1] > before[1] and after[2] > before[2]
     assert after[3] < before[3]  # the second sibling never is
@@ -125,6 +127,25 @@ def test_a_cost_that_never_pays_is_plain_decoding(tiny):
     assert all(step.num_drafted == 0 for step in result.steps)
     torch.testing.assert_close(torch.tensor(len(result.steps) + 1.0),
                                torch.tensor(float(len(result.token_ids))))
+
+
+def test_the_engine_learns_from_the_nodes_the_budget_cut(tiny):
+    """Where no draft row pays (each costs a whole step) the budget cuts every node, and the
+    estimates still learn from them against the emitted tokens: an always-right drafter's first
+    tokens are counted tried and accepted, where counting only verified nodes saw none."""
+    prompt = varied_prompts(3, seed=13)[0]
+    reference = reference_greedy(tiny, prompt, 24)
+    engine = BatchEngine(tiny, max_batch_size=1, cost=lambda rows: float(rows))
+    state = engine.add(Request(prompt=prompt, drafter=OracleDrafter(
+        len(prompt), reference, draft_len=6, corrupt=0.0, seed=0, vocab_size=TINY_VOCAB),
+        max_new_tokens=24))
+    while engine.busy():
+        engine.step()
+    assert state.result.token_ids == reference
+    assert all(step.num_drafted == 0 for step in state.result.steps)  # every node cut
+    accepted, tried = engine.estimates.counts[(state.request.drafter.name, 1, 0)]
+    assert tried - PRIOR_TRIED >= WARMUP_STEPS  # a trial at every drafted step, none verified
+    assert accepted - PRIOR_ACCEPTED == tried - PRIOR_TRIED  # and every one right
 
 
 def test_the_ledger_drafts_while_drafting_pays_and_probes_when_it_does_not():
@@ -176,7 +197,7 @@ def test_reach_is_the_product_of_each_nodes_cell_rate_down_its_path():
         path = [0]
         while tree.children[path[-1]] and rng.random() < 0.7:
             path.append(list(tree.children[path[-1]].values())[0])
-        estimates.observe("m", tree, path)
+        estimates.observe("m", tree, [tree.tokens[node] for node in path[1:]] + [99])
         expected = [1.0] * len(tree)
         for node in range(1, len(tree)):
             accepted, tried = estimates.counts[estimates._cell("m", tree, node)]

@@ -115,6 +115,7 @@ class Running:
     prefilled: int = 0  # prompt tokens in the cache so far
     query: torch.Tensor | None = None  # the hidden state that predicted the last token
     tree: DraftTree | None = None  # this step's tree
+    drafted_tree: DraftTree | None = None  # the tree as drafted, before the budget cut it
     draft_seconds: float = 0.0
     drafted: bool = False  # whether its drafter was consulted this step
     states: list[torch.Tensor] = field(default_factory=list)  # for a drafter that learns
@@ -371,7 +372,8 @@ class BatchEngine:
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
         if not self.tree_attention:
             drafts = drafts[:1]  # a causal mask can only verify one linear draft
-        state.tree = DraftTree.from_drafts(int(state.context[state.n - 1]), drafts)
+        state.tree = state.drafted_tree = DraftTree.from_drafts(int(state.context[state.n - 1]),
+                                                                drafts)
         state.draft_seconds = clock(self.device) - started
 
     def _fit_budget(self, decoding: list[Running], chunk_rows: int) -> None:
@@ -415,7 +417,10 @@ class BatchEngine:
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
                                           state.generator)
-        self.estimates.observe(state.request.drafter.name, tree, path)
+        emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
+        # every node drafted, cut or not, whose parent the emitted tokens reach is a trial: the
+        # budget's cut does not keep the estimates from learning the nodes it cut
+        self.estimates.observe(state.request.drafter.name, state.drafted_tree or tree, emitted)
         if state.drafted and self.cost is not None:  # what drafting cost: itself, its rows
             rows = self.last_step[1]
             row_seconds = (self.cost(rows) - self.cost(rows - tree.num_drafted)) * (
@@ -434,7 +439,6 @@ class BatchEngine:
             # the whole step's forward, shared by every sequence in it, and this acceptance
             verify_seconds=clock(self.device) - forward_started,
         ))
-        emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         self._record(state, output, path, emitted)  # the rows that chose each token
         return emitted
 

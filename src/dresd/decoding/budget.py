@@ -6,9 +6,9 @@ node v pays when the tokens it is expected to add beat what its row costs the wh
 
     reach(v)   = P(v is on the accepted path)
                = reach(parent) * a(method, depth(v), rank(v))
-    a(...)     = accepted / tried over the nodes verified so far whose parent was accepted
-                 (rank: 0 for a parent's first child in the drafter's order, 1, 2+ after it),
-                 with a prior of PRIOR_ACCEPTED / PRIOR_TRIED
+    a(...)     = accepted / tried over the nodes drafted so far whose parent was accepted,
+                 verified or cut by the budget (rank: 0 for a parent's first child in the
+                 drafter's order, 1, 2+ after it), with a prior of PRIOR_ACCEPTED / PRIOR_TRIED
     expected tokens of a step with node set S = (decoding sequences) + sum_{v in S} reach(v)
     S*         = argmax over S = the k highest-reach nodes of every tree together, k = 0, 1, ..
                  of expected tokens / cost(fixed rows + k)
@@ -82,6 +82,10 @@ def cost_at(curve: dict[int, float], size: int) -> float:
 
 
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 3.0  # a new (method, depth, rank) starts at 1/3
+# Cut nodes count too (`observe`): had only the verified ones counted, a deep cell the budget
+# never kept would never have moved off 1/3, whatever its true rate. Prompt lookup on code is
+# accepted deep into its copies: on HumanEval type hints it ran at 1.70x AR so, 1.84-1.85x now,
+# 1.94-1.99x with no budget (`benchmarks/results/budget_estimates/`).
 MAX_DEPTH_BUCKET = 8  # depths past this share one estimate
 MAX_RANK_BUCKET = 2  # third and later siblings share one estimate
 
@@ -116,14 +120,21 @@ class AcceptanceEstimates:
                 reach[node] = reach[parent] * found[0] / found[1]
         return reach
 
-    def observe(self, method: str, tree: DraftTree, path: list[int]) -> None:
-        """Count the verified tree: every child of an accepted node was tried."""
-        on_path = set(path)
-        for node in range(1, len(tree)):
-            if tree.parents[node] in on_path:
-                counts = self.counts[self._cell(method, tree, node)]
-                counts[0] += node in on_path
+    def observe(self, method: str, tree: DraftTree, emitted: list[int]) -> None:
+        """Count a drafted tree against the tokens its step emitted (the accepted drafts, then
+        the target's own token): every child of a node the emitted tokens reach was tried, and
+        accepted if its token is the one emitted after its parent. That is what verification
+        decided for the nodes it saw, and what it would have for the nodes the budget cut."""
+        node = 0
+        for token in emitted:
+            children = tree.children[node]
+            for child in children.values():
+                counts = self.counts[self._cell(method, tree, child)]
+                counts[0] += tree.tokens[child] == token
                 counts[1] += 1
+            node = children.get(token, -1)
+            if node < 0:
+                return
 
 
 def batch_budget(reaches: list[list[float]], fixed_rows: int, decoding: int,
