@@ -84,7 +84,7 @@ def cost_at(curve: dict[int, float], size: int) -> float:
 PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 3.0  # a new (method, depth, rank) starts at 1/3
 # Cut nodes count too (`observe`): had only the verified ones counted, a deep cell the budget
 # never kept would never have moved off 1/3, whatever its true rate. Prompt lookup on code is
-# accepted deep into its copies: on HumanEval type hints it ran at 1.70x AR so, 1.84-1.85x now,
+# accepted deep into its copies: on HumanEval type hints it ran at 1.70x AR so, 1.82-1.84x now,
 # 1.94-1.99x with no budget (`benchmarks/results/budget_estimates/`).
 MAX_DEPTH_BUCKET = 8  # depths past this share one estimate
 MAX_RANK_BUCKET = 2  # third and later siblings share one estimate
