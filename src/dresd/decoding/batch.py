@@ -420,7 +420,7 @@ class BatchEngine:
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         # every node drafted, cut or not, whose parent the emitted tokens reach is a trial: the
         # budget's cut does not keep the estimates from learning the nodes it cut
-        self.estimates.observe(state.request.drafter.name, state.drafted_tree or tree, emitted)
+        self.estimates.observe(state.request.drafter.name, state.drafted_tree, emitted)
         if state.drafted and self.cost is not None:  # what drafting cost: itself, its rows
             rows = self.last_step[1]
             row_seconds = (self.cost(rows) - self.cost(rows - tree.num_drafted)) * (
