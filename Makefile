@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 # The demo: the default model's own greedy answers to 400 GSM8K training questions (regenerated
-# once, batched), and a dense + sparse datastore of them (built once; ~2 minutes together on 2
+# once, batched), and a dense + sparse datastore of them (built once; ~2 minutes a model on 2
 # cores): DReSD's setting, a store of the target's own outputs on the workload. Then AR, PLD,
 # suffix, REST, DReSD and hybrid side by side on the first GSM8K test questions, DReSD at its
 # default (the step budget), at the paper's shape (budget=0) and at the 4-node tree
