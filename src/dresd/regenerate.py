@@ -103,6 +103,7 @@ def regenerate(target: Target, corpus: Path, out: Path, config: RegenerateConfig
     if out.exists():
         return _check_finished(out, corpus, len(rows))
     partial = partial_path(out)
+    partial.parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no runs/ folder
     with open(partial, "a", encoding="utf-8") as f:
         _lock(f, partial)
         if out.exists():  # another run finished while we opened the file
