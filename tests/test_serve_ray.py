@@ -188,12 +188,14 @@ def test_the_router_ranks_by_key_and_spills_a_full_batch():
     import asyncio
     from types import SimpleNamespace
 
-    from dresd.serve.ray_routing import ONE_REPLICA, PrefixAffinityRouter, rank_replicas
+    from dresd.serve.ray_routing import (ONE_REPLICA, PrefixAffinityRouter, ReplicaHealth,
+                                         rank_replicas)
 
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in "abc"]
     queue_lens: dict = {}
-    router = SimpleNamespace(spill_at=4, replica_queue_len_cache=SimpleNamespace(
-        get=lambda replica_id: queue_lens.get(replica_id.unique_id)))
+    router = SimpleNamespace(spill_at=4, health=ReplicaHealth(),
+                             replica_queue_len_cache=SimpleNamespace(
+                                 get=lambda replica_id: queue_lens.get(replica_id.unique_id)))
     router.busy = lambda replica: PrefixAffinityRouter.busy(router, replica)
 
     def choose(key: str) -> list[list[str]]:

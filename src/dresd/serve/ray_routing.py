@@ -36,13 +36,16 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from dresd.serve import protocol
+from dresd.serve.auth import APIKeyCheck
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +67,118 @@ BROADCAST_TIMEOUT_S = 30.0
 ABANDONED_S = 60.0
 
 
+# Bodies nested deeper than this are refused (400) before they are parsed: no OpenAI request
+# comes near it (a tool's JSON schema, the deepest part, is a few levels), and Python's json
+# raises RecursionError near 1,000 levels, on the ingress and again on a replica.
+MAX_JSON_DEPTH = 64
+# Requests the ingress holds at once without --ingress-max-requests: what the replicas hold
+# (`max_ongoing_requests` each); past it the ingress answers 503 at once, so a burst waits
+# nowhere unbounded. Ray Serve sends the ingress INGRESS_HEADROOM more than that, so the
+# requests past the bound reach it and get OpenAI's 503, not Ray Serve's own.
+INGRESS_HEADROOM = 64
+# A replica's health reaches the ingress through the metrics board: each replica writes its
+# /health status there when Ray Serve checks it (every health_check_period_s, 5 s), the ingress
+# reads it every HEALTH_EVERY_S, and a replica not heard from for HEALTH_STALE_S (three
+# checks missed: its event loop is stuck) counts as down.
+HEALTH_EVERY_S = 1.0
+HEALTH_STALE_S = 15.0
+HEALTH_PROBE_TIMEOUT_S = 10.0
+
+
+class BadRequest(ValueError):
+    """A body the ingress refuses itself (400), before any replica parses it."""
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `body` nests arrays and objects more than `limit` levels deep, found without
+    parsing it (nor recursing). Almost every body has fewer brackets than `limit` and is
+    answered from two counts; the others are scanned once, in C and numpy, strings removed
+    (brackets in them do not nest)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for start in range(0, len(brackets), _DEPTH_CHUNK):
+        chunk = np.frombuffer(brackets, np.uint8, min(_DEPTH_CHUNK, len(brackets) - start),
+                              start)
+        running = depth + np.cumsum(np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1),
+                                    dtype=np.int64)
+        if running.max() > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def parse_body(body: bytes) -> Any:
+    """The body's JSON, None where there is none (empty, not JSON, not UTF-8: the replica
+    answers those as one server does, 400); BadRequest for one nested past MAX_JSON_DEPTH."""
+    if not body:
+        return None
+    if json_too_deep(body):
+        raise BadRequest(f"the body's JSON is nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+class ReplicaHealth:
+    """Which model replicas are down: their last /health answer was not 200, or they have not
+    reported one for HEALTH_STALE_S. The ingress writes it (`update`) and the request router
+    reads it (`usable`): both run in the ingress's process (a deployment handle routes in its
+    caller's process) but on different threads, so `down` is replaced whole, never changed in
+    place. A replica never heard from (just started) counts as up."""
+
+    def __init__(self, stale_s: float = HEALTH_STALE_S) -> None:
+        self.stale_s = stale_s
+        self.known: frozenset[str] = frozenset()
+        self.down: frozenset[str] = frozenset()
+
+    def update(self, reports: dict[str, tuple[float, int]], now: float) -> None:
+        """`reports`: each replica's last (time, /health status)."""
+        down = frozenset(replica for replica, (at, status) in reports.items()
+                         if status != 200 or now - at > self.stale_s)
+        if down - self.down:
+            log.warning("replicas down (no routing to them until /health says 200): %s",
+                        ", ".join(sorted(down - self.down)))
+        if self.down - down:
+            log.warning("replicas up again: %s", ", ".join(sorted(self.down - down)))
+        self.known, self.down = frozenset(reports), down
+
+    def usable(self, replicas: list, replica_id: Callable[[Any], str] = str) -> list:
+        """`replicas` less the down ones; all of them if every one is down (a request then
+        gets a replica's own answer rather than waiting for one to come back)."""
+        down = self.down
+        up = [replica for replica in replicas if replica_id(replica) not in down]
+        return up or replicas
+
+    def none_up(self) -> bool:
+        """Every replica heard from is down."""
+        known = self.known
+        return bool(known) and known <= self.down
+
+
+# The one table of the ingress's process (see ReplicaHealth).
+REPLICA_HEALTH = ReplicaHealth()
+
+
 def conversation_key(payload: Any) -> str | None:
     """The key that sends every turn of one conversation to one replica: a hash of the
     request's `cache_salt` and its messages up to and including the first user message (chat),
     or its prompt's first COMPLETION_PREFIX_CHARS characters / COMPLETION_PREFIX_TOKENS token
-    ids (completions). None for a body that is neither."""
+    ids (completions). None for a body that is neither. Never raises: a key is only where a
+    request would rather go, and a body it cannot be derived from is for the replica to refuse."""
     if not isinstance(payload, dict):
         return None
     messages = payload.get("messages")
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts: the first one's replica takes them all
     if isinstance(messages, list) and messages:
         head = []
         for message in messages:
@@ -79,15 +186,17 @@ def conversation_key(payload: Any) -> str | None:
             if isinstance(message, dict) and message.get("role") == "user":
                 break
         material: Any = head
-    elif isinstance(payload.get("prompt"), (str, list)) and payload["prompt"]:
-        prompt = payload["prompt"]
-        if isinstance(prompt, list) and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch of prompts: the first one's replica takes them all
-        material = (prompt[:COMPLETION_PREFIX_CHARS] if isinstance(prompt, str)
-                    else prompt[:COMPLETION_PREFIX_TOKENS])
+    elif isinstance(prompt, str) and prompt:
+        material = prompt[:COMPLETION_PREFIX_CHARS]
+    elif isinstance(prompt, list) and prompt:  # token ids (or what the replica will refuse)
+        material = prompt[:COMPLETION_PREFIX_TOKENS]
     else:
+        return None  # no prompt, or one of another type (`[{}]`): the replica answers 400
+    try:
+        text = json.dumps([payload.get("cache_salt") or "", material], sort_keys=True,
+                          default=str)
+    except (TypeError, ValueError, RecursionError):  # not from JSON: keys of mixed types
         return None
-    text = json.dumps([payload.get("cache_salt") or "", material], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -101,9 +210,12 @@ def rank_replicas(key: str, replica_ids: list[str]) -> list[str]:
 
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router: a request's conversation key (its `session_id`) ranks the
-    replicas (`rank_replicas`); replicas with a full batch go after those with room."""
+    replicas (`rank_replicas`); replicas with a full batch go after those with room; replicas
+    whose /health is not 200 (`health`) are skipped, so a conversation pinned to one moves to
+    the next in its ranking, and comes back when it answers 200 again."""
 
     spill_at: int | None = None
+    health: ReplicaHealth = REPLICA_HEALTH
 
     def initialize_state(self, spill_at: int | None = None, **kwargs) -> None:
         self.spill_at = spill_at
@@ -117,14 +229,17 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         key = pending_request.metadata.session_id if pending_request is not None else ""
+        if key:  # every rank tried and none accepted: wait (Ray Serve's backoff), try again
+            pending_request.routing_context.should_backoff = True
+        if key.startswith(ONE_REPLICA):  # a request for every replica, this one's copy
+            named = [replica for replica in candidate_replicas
+                     if replica.replica_id.unique_id == key.removeprefix(ONE_REPLICA)]
+            return [named] if named else []
+        candidate_replicas = self.health.usable(candidate_replicas,
+                                                lambda replica: replica.replica_id.unique_id)
         if not key or not candidate_replicas:
             return [candidate_replicas]  # one rank: the least loaded of all
-        # Every rank tried and none accepted: wait (Ray Serve's backoff) before trying again.
-        pending_request.routing_context.should_backoff = True
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        if key.startswith(ONE_REPLICA):  # a request for every replica, this one's copy
-            named = by_id.get(key.removeprefix(ONE_REPLICA))
-            return [[named]] if named is not None else []
         ranked = [by_id[replica_id] for replica_id in rank_replicas(key, list(by_id))]
         busy = [self.busy(replica) for replica in ranked]
         ranked = ([r for r, b in zip(ranked, busy, strict=True) if not b]
@@ -170,36 +285,81 @@ async def run_asgi(app: Callable, scope: dict, body: bytes) -> AsyncIterator[dic
             asyncio.get_running_loop().call_later(ABANDONED_S, task.cancel)
 
 
+HealthReports = Callable[[], Awaitable[dict[str, tuple[float, int]]]]
+
+
 class AffinityIngress:
-    """The HTTP ingress (an ASGI app): reads a request, keys it, passes it to a model replica
-    through `server` (a deployment handle) and streams the replica's response back."""
+    """The HTTP ingress (an ASGI app): checks the API key, holds at most `max_in_flight`
+    requests, reads a request, keys it, passes it to a model replica through `server` (a
+    deployment handle) and streams the replica's response back.
+
+    Each refusal comes before the work it saves: the key from the headers (a refused request
+    reads no body), the bound before the body is read, the nesting depth before it is parsed."""
 
     def __init__(self, server: Any, body_cap: int,
-                 replica_ids: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+                 replica_ids: Callable[[], Awaitable[list[str]]] | None = None, *,
+                 api_key: str | None = None, metrics_open: bool = False,
+                 max_in_flight: int | None = None, health_reports: HealthReports | None = None,
+                 health: ReplicaHealth = REPLICA_HEALTH) -> None:
         self.server = server
         self.body_cap = body_cap
         # the live replicas' ids (async): where a broadcast route goes
         self.replica_ids = replica_ids
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        # each replica's last (time, /health status), read every HEALTH_EVERY_S into `health`
+        self.health_reports = health_reports
+        self.health = health
+        self.watcher: asyncio.Task | None = None
+        # The replicas check the key too; checked here, a refused request costs no body read,
+        # no parse and no replica call. The same middleware: the same 401 and compare.
+        self.app: Callable = (APIKeyCheck(self.admit, api_key, metrics_open) if api_key
+                              else self.admit)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
+                    self.start_watching()
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
+                    if self.watcher is not None:
+                        self.watcher.cancel()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        if scope["type"] != "http":
+        if scope["type"] == "http":
+            await self.app(scope, receive, send)
+
+    async def admit(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """The request, unless `max_in_flight` are already here (503 at once, body unread: a
+        burst past what the replicas hold gets an answer to retry, not a place in a queue
+        without end) or no replica is up (503)."""
+        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
+            await send_error(send, 503, f"the server holds {self.max_in_flight} requests "
+                                        "already; retry", [(b"retry-after", b"1")])
             return
+        if self.health.none_up():
+            await send_error(send, 503, "no replica is healthy; retry",
+                             [(b"retry-after", b"5")])
+            return
+        self.in_flight += 1
+        try:
+            await self.route(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def route(self, scope: dict, receive: Callable, send: Callable) -> None:
         body = await self.read_body(scope, receive)
+        try:
+            payload = parse_body(body)
+        except BadRequest as refusal:
+            await send_error(send, 400, str(refusal))
+            return
         if (scope.get("method"), scope.get("path")) in BROADCAST_ROUTES and self.replica_ids:
             await self.broadcast(scope, body, send)
             return
-        try:
-            key = conversation_key(json.loads(body)) if body else None
-        except ValueError:
-            key = None  # not JSON: the replica answers it (a 400 or 422), from any replica
+        key = conversation_key(payload)
         handle = self.server.options(stream=True, **({"session_id": key} if key else {}))
         responses = handle.forward.remote(forwarded_scope(scope), body)
         started = finished = False
@@ -216,6 +376,26 @@ class AffinityIngress:
         finally:
             if not finished:
                 responses.cancel()  # the client left: the replica stops generating
+
+    def start_watching(self) -> None:
+        """Read the replicas' health every HEALTH_EVERY_S, for as long as the ingress runs."""
+        if self.health_reports is None or self.watcher is not None:
+            return
+
+        async def watch() -> None:
+            while True:
+                await self.refresh_health()
+                await asyncio.sleep(HEALTH_EVERY_S)
+
+        self.watcher = asyncio.ensure_future(watch())
+
+    async def refresh_health(self) -> None:
+        try:
+            reports = await self.health_reports()
+        except Exception:  # noqa: BLE001 - the board gone: every report goes stale, all down
+            log.exception("the replicas' health could not be read")
+            return
+        self.health.update(reports, time.time())
 
     async def broadcast(self, scope: dict, body: bytes, send) -> None:
         """The request sent to every live replica; the first refusal is the answer (a wrong
@@ -274,25 +454,39 @@ class AffinityIngress:
 
     @staticmethod
     async def unavailable(send) -> None:
-        body = json.dumps(protocol.error_body("no replica could take the request; retry",
-                                              503, None)).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 503, "no replica could take the request; retry")
+
+
+async def send_error(send: Callable, status: int, message: str,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with OpenAI's error object."""
+    body = json.dumps(protocol.error_body(message, status, None)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class IngressDeployment:
-    """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy)."""
+    """Ray Serve deployment class of the ingress (wrapped by `serve.ingress()` in deploy).
+    `board`: the metrics board, where the replicas say they are alive (their figures) and
+    healthy (their /health status)."""
 
-    def __init__(self, server: Any, body_cap: int, board: Any = None,
-                 stale_s: float = 10.0) -> None:
+    def __init__(self, server: Any, body_cap: int, board: Any = None, stale_s: float = 10.0,
+                 *, api_key: str | None = None, metrics_open: bool = False,
+                 max_in_flight: int | None = None) -> None:
         async def replica_ids() -> list[str]:  # the replicas heard from in the last stale_s
             now = time.time()
             return [name for name, report in (await board.get.remote()).items()
                     if now - report[0] <= stale_s]
 
-        self.asgi = AffinityIngress(server, body_cap, replica_ids if board is not None else None)
+        async def health_reports() -> dict[str, tuple[float, int]]:
+            return await board.get_health.remote()
+
+        self.asgi = AffinityIngress(
+            server, body_cap, replica_ids if board is not None else None, api_key=api_key,
+            metrics_open=metrics_open, max_in_flight=max_in_flight,
+            health_reports=health_reports if board is not None else None)
 
     def __serve_build_asgi_app__(self) -> AffinityIngress:
         return self.asgi
@@ -324,19 +518,61 @@ class Lifespan:
             await asyncio.wait_for(self.outbox.get(), 30)
 
 
+HEALTH_SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/health",
+                "raw_path": b"/health", "root_path": "", "query_string": b"", "headers": [],
+                "client": ("127.0.0.1", 0), "server": None}
+
+
 class ModelReplica:
     """Ray Serve deployment class of a model replica behind the ingress: builds the server's
-    app once and starts it, then runs each forwarded request through it."""
+    app once and starts it, then runs each forwarded request through it. `board`: where its
+    /health status goes at each of Ray Serve's health checks, for the ingress to route by."""
 
-    async def __init__(self, build: Callable[[], Callable]) -> None:
+    async def __init__(self, build: Callable[[], Callable], board: Any = None) -> None:
+        from dresd.serve.ray_serve import replica_name
+
         self.app = build()
         self.lifespan = Lifespan(self.app)
         await self.lifespan.startup()
+        self.board = board
+        self.name = replica_name()
+        await self.report_health()  # known to the ingress from its start
 
     async def forward(self, scope: dict, body: bytes) -> AsyncIterator[dict]:
         # a fresh request state, as an ASGI server gives each request
         async for message in run_asgi(self.app, {**scope, "state": {}}, body):
             yield message
+
+    async def health_status(self) -> int:
+        """The app's answer to GET /health (the single-process server's 503 once its worker
+        thread has died); 0 for none within HEALTH_PROBE_TIMEOUT_S or an error."""
+        async def status() -> int:
+            async for message in run_asgi(self.app, {**HEALTH_SCOPE, "state": {}}, b""):
+                if message["type"] == "http.response.start":
+                    return message["status"]
+            return 0
+
+        try:
+            return await asyncio.wait_for(status(), HEALTH_PROBE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer is an answer: down
+            log.exception("GET /health failed on this replica")
+            return 0
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check (every health_check_period_s): the status goes to the
+        board, and a replica that is not 200 raises, so that Ray Serve replaces it after three
+        failed checks (a dead worker thread does not come back); until then, and for a
+        passing failure, the ingress routes around it."""
+        status = await self.report_health()
+        if status != 200:
+            raise RuntimeError(f"GET /health answered {status or 'nothing'}")
+
+    async def report_health(self) -> int:
+        status = await self.health_status()
+        if self.board is not None:
+            self.board.put_health.remote(self.name, status)
+        return status
 
     async def __del__(self) -> None:
         await self.lifespan.shutdown()

@@ -70,12 +70,19 @@ class MetricsBoard:
 
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, ServerMetrics, int, int]] = {}
+        self.health: dict[str, tuple[float, int]] = {}  # (when, /health status): for routing
 
     def put(self, replica: str, metrics: ServerMetrics, running: int, waiting: int) -> None:
         self.reports[replica] = (time.time(), metrics, running, waiting)
 
     def get(self) -> dict[str, tuple[float, ServerMetrics, int, int]]:
         return self.reports
+
+    def put_health(self, replica: str, status: int) -> None:
+        self.health[replica] = (time.time(), status)
+
+    def get_health(self) -> dict[str, tuple[float, int]]:
+        return self.health
 
 
 def render_pooled(model_name: str, reports: dict[str, tuple[float, ServerMetrics, int, int]],
@@ -249,16 +256,28 @@ def deploy(args: argparse.Namespace, build_app: BuildApp, model_name: str):
         ray_routing.ModelReplica, name=DEPLOYMENT_NAME, **deployment_options(args),
         request_router_config=ray_routing.affinity_router_config(
             spill_at=getattr(args, "max_batch_size", 1)))
-    most = args.max_replicas or args.replicas
+    bound = ingress_max_requests(args)
     ingress = serve.deployment(
         serve.ingress()(ray_routing.IngressDeployment), name=INGRESS_NAME, num_replicas=1,
-        # it only waits on the replicas: as many requests as they all hold, and no CPU of its own
-        max_ongoing_requests=most * max_ongoing_requests(args) + 16,
+        # It only waits on the replicas, with no CPU of its own. Ray Serve hands it more than
+        # it holds, so that those past its bound get its 503 (OpenAI's error object) at once;
+        # past that too, Ray Serve's proxy answers 503 rather than queue without end.
+        max_ongoing_requests=bound + ray_routing.INGRESS_HEADROOM, max_queued_requests=bound,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
     body_cap = getattr(args, "max_body_bytes", None) or ray_routing.INGRESS_BODY_CAP
-    serve.run(ingress.bind(replicas.bind(build), body_cap, board, STALE_S), name=APP_NAME,
-              route_prefix="/")
+    serve.run(ingress.bind(replicas.bind(build, board), body_cap, board, STALE_S,
+                           api_key=args.api_key, metrics_open=args.metrics_open,
+                           max_in_flight=bound),
+              name=APP_NAME, route_prefix="/")
     return board
+
+
+def ingress_max_requests(args: argparse.Namespace) -> int:
+    """Requests the affinity ingress holds at once (`--ingress-max-requests` where the command
+    line has it): by default what the replicas hold, each its batch and queue, at the most
+    replicas there can be. More would only wait in Ray Serve's router for a replica's slot."""
+    given = getattr(args, "ingress_max_requests", None)
+    return given or (args.max_replicas or args.replicas) * max_ongoing_requests(args)
 
 
 def uses_affinity(args: argparse.Namespace) -> bool:
