@@ -188,8 +188,12 @@ def test_the_router_ranks_by_key_and_spills_a_full_batch():
     import asyncio
     from types import SimpleNamespace
 
-    from dresd.serve.ray_routing import (ONE_REPLICA, PrefixAffinityRouter, ReplicaHealth,
-                                         rank_replicas)
+    from dresd.serve.ray_routing import (
+        ONE_REPLICA,
+        PrefixAffinityRouter,
+        ReplicaHealth,
+        rank_replicas,
+    )
 
     replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=name)) for name in "abc"]
     queue_lens: dict = {}
