@@ -27,14 +27,17 @@ are stored plus one (`gemma3_config` and `_fill_gemma3` say what else differs).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import mmap
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -106,21 +109,183 @@ def _field(reader: GGUFReader, key: str):
 
 def open_gguf(path: Path) -> GGUFReader:
     """The file's reader (tensors memory-mapped), or one clear error for a file that is not
-    there, not GGUF, damaged or truncated."""
+    there, not GGUF, damaged or truncated. The header is walked first (`check_header`): the
+    `gguf` package's reader trusts every count and length it reads (a huge array count loops
+    over the whole file, a type number it does not know raises deep inside)."""
     if not path.is_file():
         raise GGUFError(f"GGUF file {str(path)!r} does not exist.")
+    check_header(path)
     try:
         reader = GGUFReader(path, "r")
     except Exception as err:  # the reader's own errors: bad magic, short reads, bad offsets
         raise GGUFError(f"{path} is not a readable GGUF file ({type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else 'no detail'}); is it "
                         "damaged or truncated?") from err
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise GGUFError(f"{path} is truncated: tensor {tensor.name!r} ends past the file's "
-                            f"{size} bytes.")
     return reader
+
+
+# --- the header, distrusted ---------------------------------------------------------------
+# GGUF (ggml/docs/gguf.md): magic, version, tensor count, metadata count; the metadata (key
+# string, value type, value); the tensor infos (name, dimension count, dimensions innermost
+# first, type, offset from the data section); padding to the alignment; the data section.
+
+MAX_DIMS = 4  # GGML_MAX_DIMS
+_SCALARS = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2,
+            GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4,
+            GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1, GGUFValueType.UINT64: 8,
+            GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in the header, as the file states it."""
+
+    name: str
+    dims: tuple[int, ...]  # innermost first, as GGUF lists them
+    qtype: Q
+    offset: int  # from the start of the data section
+    n_bytes: int
+
+
+class _Cursor:
+    """Reads the header's little-endian fields, every length checked against the bytes left."""
+
+    def __init__(self, data: bytes | mmap.mmap, path: Path) -> None:
+        self.data, self.path, self.at = data, path, 0
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path} is damaged or truncated: {what} (at byte {self.at} of "
+                         f"{len(self.data)}).")
+
+    def take(self, size: int, what: str) -> int:
+        """Skips `size` bytes; the offset they started at."""
+        if size < 0 or self.at + size > len(self.data):
+            raise self.fail(f"{what} needs {size} bytes, the file has {len(self.data) - self.at}"
+                            " left")
+        start, self.at = self.at, self.at + size
+        return start
+
+    def number(self, form: str, what: str) -> int:
+        return struct.unpack_from("<" + form, self.data, self.take(struct.calcsize(form), what))[0]
+
+    def string(self, what: str) -> str:
+        length = self.number("Q", f"the length of {what}")
+        start = self.take(length, what)
+        try:
+            return bytes(self.data[start:start + length]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+
+    def value(self, kind: int, key: str, depth: int = 0) -> int | None:
+        """Skips one metadata value of type `kind`; an unsigned scalar's value (the alignment),
+        else None."""
+        try:
+            kind = GGUFValueType(kind)
+        except ValueError:
+            raise self.fail(f"metadata {key!r} has value type {kind}, which GGUF has not") \
+                from None
+        if kind in _SCALARS:
+            size = _SCALARS[kind]
+            start = self.take(size, f"metadata {key!r}")
+            return int.from_bytes(self.data[start:start + size], "little")
+        if kind == GGUFValueType.STRING:
+            self.string(f"metadata {key!r}")
+            return None
+        if depth > 2:
+            raise self.fail(f"metadata {key!r} nests arrays deeper than GGUF files do")
+        item = self.number("I", f"metadata {key!r}'s item type")
+        count = self.number("Q", f"metadata {key!r}'s length")
+        if item in _SCALARS:  # fixed-size items: one check for all of them
+            self.take(count * _SCALARS[GGUFValueType(item)], f"metadata {key!r} ({count} items)")
+            return None
+        if count * 8 > len(self.data) - self.at:  # every string or array item takes 8 bytes
+            raise self.fail(f"metadata {key!r} claims {count} items")
+        for _ in range(count):
+            self.value(item, key, depth + 1)
+        return None
+
+
+def check_header(path: Path) -> list[TensorInfo]:
+    """The file's tensor infos, after every count, length, type, shape and offset of its header
+    has been checked against the file itself: each tensor's data lies inside the file's data
+    section, aligned, apart from every other tensor's. One `GGUFError` naming the file (and the
+    tensor, where one is at fault) otherwise."""
+    with open(path, "rb") as file:
+        try:
+            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file cannot be mapped
+            data = b""
+    try:
+        return _walk_header(_Cursor(data, path))
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+
+
+def _walk_header(cursor: _Cursor) -> list[TensorInfo]:
+    path = cursor.path
+    cursor.take(4, "the magic")
+    if bytes(cursor.data[0:4]) != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF').")
+    version = cursor.number("I", "the version")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version}; dresd reads versions 2 and 3.")
+    tensors = cursor.number("Q", "the tensor count")
+    fields = cursor.number("Q", "the metadata count")
+    left = len(cursor.data) - cursor.at
+    # the smallest metadata entry takes 13 bytes, the smallest tensor info 24
+    if fields * 13 > left or tensors * 24 > left:
+        raise cursor.fail(f"the header claims {tensors} tensors and {fields} metadata entries")
+    alignment = 32  # GGUF's default, unless general.alignment says otherwise
+    for _ in range(fields):
+        key = cursor.string("a metadata key")
+        value = cursor.value(cursor.number("I", f"metadata {key!r}'s type"), key)
+        if key == "general.alignment":
+            if not value or value & (value - 1):
+                raise cursor.fail(f"general.alignment is {value}, not a power of two")
+            alignment = value
+    infos = []
+    for _ in range(tensors):
+        name = cursor.string("a tensor name")
+        n_dims = cursor.number("I", f"tensor {name!r}'s dimension count")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise cursor.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        dims = tuple(cursor.number("Q", f"tensor {name!r}'s shape") for _ in range(n_dims))
+        number = cursor.number("I", f"tensor {name!r}'s type")
+        offset = cursor.number("Q", f"tensor {name!r}'s offset")
+        try:
+            qtype = Q(number)
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise GGUFError(f"{path}: tensor {name!r} has type number {number}, which is no "
+                            "ggml type.") from None
+        if any(size < 1 for size in dims) or dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(dims)}, which a "
+                            f"{qtype.name} tensor cannot have (dimensions of at least 1, the "
+                            f"first a multiple of {block}).")
+        elements = int(np.prod(dims, dtype=object))
+        infos.append(TensorInfo(name, dims, qtype, offset, elements // block * block_bytes))
+    start = -(-cursor.at // alignment) * alignment  # the data section, aligned
+    size = len(cursor.data)
+    names = set()
+    for info in infos:
+        if info.name in names:
+            raise GGUFError(f"{path}: tensor {info.name!r} is listed twice.")
+        names.add(info.name)
+        if info.offset % alignment:
+            raise GGUFError(f"{path}: tensor {info.name!r}'s data starts at offset {info.offset},"
+                            f" not a multiple of the file's alignment {alignment}.")
+        if start + info.offset + info.n_bytes > size:
+            raise GGUFError(f"{path} is damaged or truncated: tensor {info.name!r} "
+                            f"({info.qtype.name} {list(info.dims)}, {info.n_bytes} bytes at "
+                            f"offset {info.offset}) ends past the file's {size} bytes.")
+    by_offset = sorted(infos, key=lambda info: info.offset)
+    for before, after in itertools.pairwise(by_offset):
+        if before.offset + before.n_bytes > after.offset:
+            raise GGUFError(f"{path} is damaged: tensor {before.name!r}'s data ({before.n_bytes}"
+                            f" bytes at offset {before.offset}) runs into tensor "
+                            f"{after.name!r}'s (at {after.offset}).")
+    return infos
 
 
 def describe(reader: GGUFReader) -> dict:
@@ -372,6 +537,130 @@ def _token_rows(reader: GGUFReader, path: Path) -> int:
     raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing.")
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes every tensor of a model must agree with (its metadata's, or its config's)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @classmethod
+    def of_config(cls, config) -> Sizes:
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads,
+                   getattr(config, "head_dim", None)
+                   or config.hidden_size // config.num_attention_heads,
+                   config.intermediate_size)
+
+
+C_INT = 2**31 - 1  # the C kernels take sizes as int
+
+
+def _size(reader: GGUFReader, path: Path, key: str, default: int | None = None) -> int:
+    """A size from the metadata: a whole number from 1 to what a C int holds."""
+    value = _number(reader, path, key, default)
+    if isinstance(value, (bool, str)) or not float(value).is_integer() \
+            or not 1 <= int(value) <= C_INT:
+        raise GGUFError(f"{path}: metadata {key!r} is {value!r}, not a size.")
+    return int(value)
+
+
+def model_sizes(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
+    """The sizes the file's metadata states, read as llama.cpp reads them (head size: the key
+    length, else hidden / heads), and checked to fit together."""
+    if architecture == "gemma3":
+        return Sizes.of_config(gemma3_config(reader, path))
+    key = f"{architecture}.{{}}".format
+    hidden, heads = _size(reader, path, key("embedding_length")), \
+        _size(reader, path, key("attention.head_count"))
+    if hidden % heads and _field(reader, key("attention.key_length")) is None:
+        raise GGUFError(f"{path}: {heads} attention heads do not divide the hidden size "
+                        f"{hidden}, and the file states no head size.")
+    sizes = Sizes(_size(reader, path, key("block_count")), hidden, heads,
+                  _size(reader, path, key("attention.head_count_kv"), heads),
+                  _size(reader, path, key("attention.key_length"), hidden // heads),
+                  _size(reader, path, key("feed_forward_length")))
+    if sizes.heads % sizes.kv_heads:
+        raise GGUFError(f"{path}: {sizes.kv_heads} key-value heads do not divide the "
+                        f"{sizes.heads} attention heads.")
+    return sizes
+
+
+NORM_TYPES = {Q.F32, Q.F16, Q.BF16}  # norms and biases are read as floats
+
+
+def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
+                     ) -> dict[str, tuple[tuple[int, ...], set]]:
+    """Every tensor the architecture reads (the optional ones where the file has them): its
+    shape, outer size first (as torch lists it), and the types it may have. The token
+    embedding's rows (the vocabulary) are any number: `check_model_tensors` checks them."""
+    hidden, inter, head_dim = sizes.hidden, sizes.intermediate, sizes.head_dim
+    q_rows, kv_rows = sizes.heads * head_dim, sizes.kv_heads * head_dim
+    norms = ["attn_norm", "ffn_norm"]
+    if architecture == "gemma3":
+        norms += ["post_attention_norm", "post_ffw_norm"]
+    expected: dict[str, tuple[tuple[int, ...], set]] = {"output_norm.weight": ((hidden,),
+                                                                               NORM_TYPES)}
+    for i in range(sizes.layers):
+        blk = f"blk.{i}."
+        expected.update({blk + name + ".weight": ((hidden,), NORM_TYPES) for name in norms})
+        expected.update({blk + name + ".weight": (shape, SUPPORTED_TYPES) for name, shape in (
+            ("attn_q", (q_rows, hidden)), ("attn_k", (kv_rows, hidden)),
+            ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)),
+            ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
+            ("ffn_down", (hidden, inter)))})
+        if architecture == "gemma3":
+            expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
+                             for part in "qk"})
+        for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            if f"{blk}attn_{part}.bias" in present:
+                expected[f"{blk}attn_{part}.bias"] = ((rows,), NORM_TYPES)
+    return expected
+
+
+def check_model_tensors(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
+    """The validation pass before anything is built from the file, and before any C call: every
+    tensor the architecture reads is present, of a type it may have, of the shape its metadata's
+    sizes say. One `GGUFError` naming the tensor, the expected and the found shape otherwise.
+    Returns the sizes (`load_gguf` checks transformers' config against them)."""
+    sizes = model_sizes(reader, path, architecture)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+
+    def shape(name: str) -> tuple[int, ...]:
+        return tuple(int(size) for size in reversed(by_name[name].shape))
+
+    def check(name: str, wanted: tuple[int, ...], types: set) -> None:
+        if name not in by_name:
+            raise GGUFError(f"{path}: tensor {name!r} is missing.")
+        qtype = by_name[name].tensor_type
+        if qtype not in types:
+            raise GGUFError(f"{path}: tensor {name!r} is {qtype.name}, which dresd does not "
+                            f"take for it (it takes {', '.join(sorted(t.name for t in types))})."
+                            + (" Requantize the file with llama.cpp's llama-quantize, e.g. to "
+                               "Q4_K_M." if qtype not in SUPPORTED_TYPES else ""))
+        if shape(name) != wanted:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {shape(name)} where the file's "
+                            f"metadata needs {wanted} (outer size first).")
+
+    present = set(by_name)
+    for name, (wanted, types) in expected_tensors(sizes, architecture, present).items():
+        check(name, wanted, types)
+    embedding = "token_embd.weight"
+    vocab = shape(embedding)[0] if embedding in by_name else 0  # any number of rows
+    check(embedding, (vocab, sizes.hidden), SUPPORTED_TYPES)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens.data) > vocab:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' has {vocab} rows for a tokenizer "
+                        f"of {len(tokens.data)} tokens.")
+    if "output.weight" in by_name:
+        check("output.weight", (vocab, sizes.hidden), SUPPORTED_TYPES)
+    return sizes
+
+
 def config_and_tokenizer(path: Path, reader: GGUFReader
                          ) -> tuple[AutoConfig, PreTrainedTokenizerBase]:
     """The file's transformers config and tokenizer. transformers reads both from the file's
@@ -417,8 +706,12 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
                         "a CPU with AVX-512 bf16 and VNNI and a C compiler; this machine has "
                         "not got them (see `dresd --version`).")
+    sizes = check_model_tensors(reader, path, architecture)
     tensors = _Tensors(reader, path)
     config, tokenizer = config_and_tokenizer(path, reader)
+    if Sizes.of_config(config) != sizes:  # the shapes were checked against these sizes
+        raise GGUFError(f"{path}: transformers reads the file's sizes as {Sizes.of_config(config)}"
+                        f", dresd as {sizes}; dresd cannot run a file read two ways.")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
@@ -487,6 +780,7 @@ def _fill_gemma3(model: PreTrainedModel, tensors: _Tensors) -> None:
       multiplies by 1 + weight, llama.cpp by the stored value), so one is taken off again;
       a bf16 checkpoint's weights come back exactly.
     - q and k: rows as they are (no permutation: llama.cpp ropes Gemma NEOX-style).
+    - Shapes: checked before, with every other tensor's (`check_model_tensors`).
     - Embedding: scaled by sqrt(hidden size) as Gemma3TextScaledWordEmbedding and llama.cpp
       scale it, in float32 before the rows round to bf16; the LM head is the same tensor
       (tied) unless the file has output.weight.
@@ -494,20 +788,6 @@ def _fill_gemma3(model: PreTrainedModel, tensors: _Tensors) -> None:
     config, decoder = model.config, model.model
     hidden, head_dim = config.hidden_size, config.head_dim
     decoder.embed_tokens = tensors.embedding("token_embd.weight", scale=hidden ** 0.5)
-    expected = {"q_proj": (config.num_attention_heads * head_dim, hidden),
-                "k_proj": (config.num_key_value_heads * head_dim, hidden),
-                "v_proj": (config.num_key_value_heads * head_dim, hidden),
-                "o_proj": (hidden, config.num_attention_heads * head_dim),
-                "gate_proj": (config.intermediate_size, hidden),
-                "up_proj": (config.intermediate_size, hidden),
-                "down_proj": (hidden, config.intermediate_size)}
-
-    def linear(name: str, part: str) -> torch.nn.Module:
-        if tensors.shape(name)[:2] != expected[part]:
-            raise GGUFError(f"{tensors.path}: tensor {name!r} is {tensors.shape(name)} where "
-                            f"the model's config needs {expected[part]} (out, in).")
-        return tensors.linear(name)
-
     for i, layer in enumerate(decoder.layers):
         blk = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
@@ -522,8 +802,8 @@ def _fill_gemma3(model: PreTrainedModel, tensors: _Tensors) -> None:
         attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, -1.0)
         for part, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
                            ("o_proj", "attn_output")):
-            setattr(attn, part, linear(f"{blk}{name}.weight", part))
+            setattr(attn, part, tensors.linear(f"{blk}{name}.weight"))
         for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
                            ("down_proj", "ffn_down")):
-            setattr(mlp, part, linear(f"{blk}{name}.weight", part))
+            setattr(mlp, part, tensors.linear(f"{blk}{name}.weight"))
     decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, -1.0)
