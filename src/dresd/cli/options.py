@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from dresd.datastore.format import open_manifest
-from dresd.decoding import SamplingConfig
 from dresd.decoding.prefix_cache import DEFAULT_MB
+from dresd.decoding.sampling import GREEDY_BELOW, sampling_or_greedy
 from dresd.device import DEVICE_HELP, device_name
 from dresd.errors import UserError
 from dresd.fastpath import DTYPES, dtype_name
@@ -185,11 +185,10 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     """--max-new-tokens, the sampling options and --stop, checked; also applies --threads."""
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.temperature == 0 and (args.top_p != 1.0 or args.top_k != 0):
-        raise UserError("--top-p and --top-k apply to sampling: also give --temperature > 0")
-    sampling = None
-    if args.temperature > 0:
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = sampling_or_greedy(args.temperature, args.top_k, args.top_p, args.seed)
+    if sampling is None and (args.top_p != 1.0 or args.top_k != 0):
+        raise UserError(f"--top-p and --top-k apply to sampling: also give --temperature >= "
+                        f"{GREEDY_BELOW} (below it decoding is greedy)")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     set_threads(args)

@@ -236,25 +236,24 @@ class BatchEngine:
         decoding = sum(not state.prefilling for state in self.running)
         room = self.prefill_chunk * self.prefill_chunks_per_step  # prompt rows in this step
         for state in self.running:
-            if state.prefilling:
-                if self._waits_for_sibling(state):
-                    continue
-                rows = self._next_chunk_rows(state)
-                if chunks and rows > room:
-                    continue  # its next chunk waits for a later step
-                chunks[id(state)] = self._prompt_chunk(state)
-                room -= rows
-            else:
-                try:
+            try:
+                if state.prefilling:
+                    if self._waits_for_sibling(state):
+                        continue
+                    rows = self._next_chunk_rows(state)
+                    if chunks and rows > room:
+                        continue  # its next chunk waits for a later step
+                    chunks[id(state)] = self._prompt_chunk(state)
+                    room -= rows
+                else:
                     self._draft(state, decoding)
-                except Exception as err:  # noqa: BLE001 - a drafter's failure ends its request only
-                    state.error, state.result.stop_reason = err, "error"
-                    failed.append(state)
-                    continue
+            except Exception as err:  # noqa: BLE001 - a sequence's failure ends it alone
+                self._fail(state, err, failed)
+                continue
             members.append(state)
-        for state in failed:
-            self._finish(state)
         if not members:
+            for state in failed:
+                self._finish(state)
             return failed
         # The trees' nodes that pay for their rows in this step's forward (budget.py).
         if self.cost is not None:
@@ -274,27 +273,47 @@ class BatchEngine:
 
         finished, emitted_tokens = failed, 0
         for state, segment, output in zip(members, segments, outputs, strict=True):
-            if state.prefilling:
-                state.prefilled += len(segment)
-                if state.prefilling:
-                    continue
-                self._cache_prefix(state, state.prompt_len)
-                # 3a. The prompt's last position gives the first token.
-                state.result.prefill_seconds = clock(self.device) - state.started
-                state.query = output.hidden[-1]
-                state.states.append(output.hidden[-1:])
-                emitted = [self._choose(state, output)]
-                self._record(state, output, [-1], emitted)
-            else:
-                emitted = self._accept(state, segment, output, forward_started)
-            # 5. Emit, stop where plain decoding stops.
-            emitted_tokens += len(emitted)
-            if self._emit(state, emitted):
+            # 3-5 read only this sequence's rows and state: a failure in them (its sampling,
+            # its stop strings, its streaming callback) ends this sequence alone.
+            try:
+                emitted = self._advance(state, segment, output, forward_started)
+                if emitted is None:
+                    continue  # its prompt is not all in the cache yet
+                emitted_tokens += len(emitted)
+                done = self._emit(state, emitted)  # 5. Emit, stop where plain decoding stops.
+            except Exception as err:  # noqa: BLE001 - a sequence's failure ends it alone
+                self._fail(state, err, finished)
+                continue
+            if done:
                 finished.append(state)
         self.last_step_output = (emitted_tokens, clock(self.device) - step_started)
         for state in finished:
             self._finish(state)
         return finished
+
+    def _advance(self, state: Running, segment: Segment, output: SegmentOutput,
+                 forward_started: float) -> list[int] | None:
+        """Steps 3 and 4 for one sequence: the tokens its rows give (None while its prompt is
+        still prefilling)."""
+        if not state.prefilling:
+            return self._accept(state, segment, output, forward_started)
+        state.prefilled += len(segment)
+        if state.prefilling:
+            return None
+        self._cache_prefix(state, state.prompt_len)
+        # 3a. The prompt's last position gives the first token.
+        state.result.prefill_seconds = clock(self.device) - state.started
+        state.query = output.hidden[-1]
+        state.states.append(output.hidden[-1:])
+        emitted = [self._choose(state, output)]
+        self._record(state, output, [-1], emitted)
+        return emitted
+
+    @staticmethod
+    def _fail(state: Running, err: Exception, finished: list[Running]) -> None:
+        """End one sequence with its error; the batch goes on without it."""
+        state.error, state.result.stop_reason = err, "error"
+        finished.append(state)
 
     def cancel(self, state: Running) -> None:
         """Stop a request now (a client that went away)."""

@@ -7,12 +7,18 @@ decoding and for every speculative method.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from dresd.errors import UserError
 from dresd.metrics import TokenLogprob
+
+# Below this temperature sampling is greedy decoding: dividing logits by a tinier one overflows
+# float32 (at 1e-40, a denormal, every logit becomes inf and softmax gives NaN), and the
+# distribution it tends to is the argmax's anyway. vLLM draws the same line (its _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,16 @@ class SamplingConfig:
         else:
             gen.manual_seed(self.seed)
         return gen
+
+
+def sampling_or_greedy(temperature: float, top_k: int = 0, top_p: float = 1.0,
+                       seed: int | None = None) -> SamplingConfig | None:
+    """The sampling settings, or None (greedy) for a temperature below `GREEDY_BELOW`."""
+    if not temperature >= 0 or math.isinf(temperature):
+        raise UserError(f"temperature must be a finite number >= 0, got {temperature}")
+    if temperature < GREEDY_BELOW:
+        return None
+    return SamplingConfig(temperature, top_k, top_p, seed)
 
 
 def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
