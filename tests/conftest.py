@@ -129,6 +129,7 @@ MODULE_MARKERS = {
     "test_serve_ray.py": ["ray", "server", "default_model"],
     "test_ray.py": ["ray"],
     "test_package.py": ["subprocess", "default_model"],  # builds a wheel, installs it, generates
+    "test_serve_guards.py": ["server"],  # `dresd serve` processes on a tiny model
 }
 
 

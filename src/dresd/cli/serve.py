@@ -24,6 +24,7 @@ from dresd.cli.options import (
     add_prefix_cache_options,
     add_save_outputs_option,
     drafter_options,
+    finite_float,
     load_target_from_args,
     output_origin,
     prefix_cache_mb,
@@ -34,8 +35,17 @@ from dresd.decoding.prefix_cache import PrefixCache
 from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning
-from dresd.serve.engine import DATASTORE_METHODS, Engine, load_drafters, on_a_passing_thread
+from dresd.serve.engine import (
+    DATASTORE_METHODS,
+    Engine,
+    default_max_kv_bytes,
+    load_drafters,
+    on_a_passing_thread,
+)
 from dresd.serve.limits import BYTES_PER_TOKEN
+
+GRACEFUL_SHUTDOWN_S = 5  # open connections get this long to end when the server stops
+WORKER_DIED_EXIT = 70  # EX_SOFTWARE: the process exits with it when its worker died
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -59,6 +69,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="larger request bodies are refused with 413 before they are read "
                             f"(default: {BYTES_PER_TOKEN} bytes per token of the model's "
                             "context length, at least 64 KiB; the default model: 512 KiB)")
+    serve.add_argument("--max-kv-mb", type=finite_float, default=None, metavar="MB",
+                       help="KV cache memory all running requests hold together at most: a "
+                            "request that does not fit beside them waits, one that never fits "
+                            "(n x (prompt + max_tokens)) is refused with 400 (default: half the "
+                            "memory available at start)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting at most; more are refused with 503 (default 64)")
     serve.add_argument("--served-model-name", default=None,
@@ -113,8 +128,21 @@ def run(args: argparse.Namespace) -> int:
     log.info("API key: %s", "none" if not args.api_key else
              "required (but GET /health%s)" % (" and /metrics" if args.metrics_open else ""))
     log.info("prefix cache: %s", engine.prefix_cache_line())
+    log.info("KV cache: %.0f MB at most, %.1f KB a token", engine.max_kv_bytes / 2**20,
+             engine.kv_per_token / 1024)
     # uvicorn's own access log is off: RequestLog writes one line per request instead.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    # A worker that died takes the process with it (after every waiting request has had its
+    # 503): a server that cannot generate must not look alive to its supervisor. uvicorn
+    # polls the flag, and stops as it does on Ctrl-C.
+    engine.on_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if engine.dead is not None:
+        print(f"dresd serve: the generation worker died ({engine.dead}); exiting",
+              file=sys.stderr, flush=True)
+        return WORKER_DIED_EXIT
     return 0
 
 
@@ -132,6 +160,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError("serve: /v1/chat/completions uses the chat template and /v1/completions "
                         "the raw text; --no-chat-template does not apply")
     prefix_cache_mb(args)  # a negative size is refused before anything loads
+    if args.max_kv_mb is not None and args.max_kv_mb <= 0:
+        raise UserError(f"--max-kv-mb must be > 0, got {args.max_kv_mb}")
     if args.max_queue < 1:
         raise UserError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
@@ -192,7 +222,9 @@ def _build_app(args: argparse.Namespace, metrics, metrics_text):
     engine = Engine(target, drafters, defaults, args.method, names, args.max_queue,
                     output_saver(target, args.save_outputs), max_batch_size=args.max_batch_size,
                     budget=budget,
-                    prefix_cache=None if cache_mb is None else PrefixCache(cache_mb))
+                    prefix_cache=None if cache_mb is None else PrefixCache(cache_mb),
+                    max_kv_bytes=(default_max_kv_bytes() if args.max_kv_mb is None
+                                  else int(args.max_kv_mb * 2**20)))
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     app = create_app(engine, served_model_name(args), model_aliases=(args.model,),

@@ -29,6 +29,7 @@ from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
 from dresd.serve.engine import (
+    WORKER_STOPPED,
     Engine,
     Job,
     Plan,
@@ -114,6 +115,10 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the generation worker runs; 503 once it has died (the process exits
+        next, for its supervisor to restart it)."""
+        if not engine.healthy:
+            return JSONResponse(protocol.error_body(WORKER_STOPPED, 503), status_code=503)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -167,20 +172,26 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                param="model")
         body.check_supported()
         target = engine.target
-        # Off the event loop: a long prompt's tokenization must not hold other requests
-        prompt_ids = await asyncio.to_thread(body.prompt_ids, target.tokenizer)
         settings = request_settings(engine.defaults, max_tokens, body.temperature, body.top_p,
                                     body.top_k, body.seed, body.stop_strings())
+        logprobs = body.logprobs_wanted()
+        engine.check_room(body.n)  # a full queue costs no tokenization
+        # Off the event loop: a long prompt's tokenization must not hold other requests
+        prompt_ids = await asyncio.to_thread(tokenize, body, target.tokenizer)
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
+        kv_bytes = engine.check_kv(len(prompt_ids), settings.max_new_tokens, body.n)
         plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
-        jobs = choice_jobs(prompt_ids, plan, body.n, body.cache_salt or "",
-                           body.logprobs_wanted())
+        jobs = choice_jobs(prompt_ids, plan, body.n, body.cache_salt or "", logprobs)
+        for job in jobs:
+            job.kv_bytes = kv_bytes
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
-        if body.ignored_fields():
-            request.state.log["ignored"] = ",".join(body.ignored_fields())
+        if body.ignored_fields():  # as JSON strings: a field name cannot forge a log line
+            request.state.log["ignored"] = ",".join(json.dumps(name)
+                                                    for name in body.ignored_fields())
         runs = [Generation(job, target.tokenizer, settings.stop_strings, request, metrics,
-                           arrived, index) for index, job in enumerate(jobs)]
+                           arrived, index, alive=lambda: engine.healthy)
+                for index, job in enumerate(jobs)]
         choices = Choices(runs, request, protocol.new_id("chatcmpl" if kind == "chat"
                                                          else "cmpl"))
         if body.stream:
@@ -190,6 +201,20 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         return await choices.whole(kind, model_name)
 
     return app
+
+
+def tokenize(body: protocol.GenerationFields, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The request's prompt as token ids; a prompt or a chat template that fails on it (a
+    template that raises on the roles given, text the tokenizer cannot encode) is the
+    request's fault: a 400 that says why, never a 500."""
+    try:
+        return body.prompt_ids(tokenizer)
+    except RequestError:
+        raise
+    except Exception as err:  # noqa: BLE001 - jinja2's, the tokenizer's: all the input's
+        param = "messages" if isinstance(body, protocol.ChatCompletionRequest) else "prompt"
+        raise RequestError(f"the {param} could not be turned into tokens "
+                           f"({type(err).__name__}: {err})", param=param) from None
 
 
 def choice_jobs(prompt_ids: list[int], plan: Plan, n: int, cache_salt: str,
@@ -223,8 +248,9 @@ class Generation:
 
     def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  request: Request, metrics: ServerMetrics, arrived: float,
-                 index: int = 0) -> None:
+                 index: int = 0, alive: Callable[[], bool] = lambda: True) -> None:
         self.job = job
+        self.alive = alive  # whether the engine's worker still runs: else nothing will come
         self.request = request
         self.metrics = metrics
         self.arrived = arrived
@@ -252,6 +278,8 @@ class Generation:
                     checked = perf_counter()
                     if await self.request.is_disconnected():
                         raise ClientGone
+                    if not kind and not self.alive():  # the worker died: no event will come
+                        raise RequestError(WORKER_STOPPED, status=503)
                 if kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = perf_counter()

@@ -20,7 +20,10 @@ worker hands them to the request's asyncio queue. A request whose client went aw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -32,15 +35,20 @@ from typing import TypeVar
 from dresd.calibrate import load_or_measure
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
-from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import BatchEngine, Request, Running
 from dresd.decoding.budget import CostCurve
+from dresd.decoding.kv_cache import INITIAL_CAPACITY
 from dresd.decoding.prefix_cache import PrefixCache
+from dresd.decoding.sampling import sampling_or_greedy
 from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
 from dresd.runner import AR, GenerationSettings, make_request
+
+log = logging.getLogger("dresd.serve")
+WORKER_STOPPED = ("the server's generation worker stopped; the server is restarting, try "
+                  "again shortly")
 
 # Drafter options a request may set, with the largest value taken: a bigger draft tree costs
 # every queued request time (each verify forward grows with it), so absurd shapes are refused.
@@ -55,6 +63,9 @@ REQUEST_DRAFTER_OPTIONS: dict[str, int] = {
     "min_suffix": 64,
     "max_matches": 100_000,
 }
+
+# Rows a draft tree may add to a sequence's cache beyond its prompt and output, in the KV budget.
+TREE_ROWS = 64
 
 # Methods whose drafter reads a datastore, and the part of the datastore it reads.
 DATASTORE_METHODS = {"dresd": "dense", "rest": "sparse"}
@@ -119,6 +130,7 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.kv_bytes = 0  # the KV cache it may hold (`Engine.kv_need`)
 
     def post(self, kind: str, payload: object) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -153,7 +165,10 @@ class Engine:
         max_batch_size: int = 16,
         budget: bool = True,
         prefix_cache: PrefixCache | None = None,
+        max_kv_bytes: int | None = None,
     ) -> None:
+        """`max_kv_bytes`: the KV cache memory all running requests may hold together (None:
+        no bound); a request that could never fit is refused (`check_kv`)."""
         self.target = target
         # keys and values of prompts and answers, shared by every request (and kept when a
         # failed step replaces the batch: what it holds was committed by finished steps)
@@ -178,6 +193,14 @@ class Engine:
         self.on_step: Callable[[int, int], None] | None = None
         self._worker: threading.Thread | None = None
         self.on_finished = on_finished  # called with (prompt ids, result) after each generation
+        self._jobs: dict[int, tuple[Running, Job]] = {}  # in the batch: id(state) -> both
+        self.dead: str | None = None  # why the worker died, once it has
+        self.on_death: Callable[[], None] | None = None  # called once the worker has died
+        # KV cache memory: every running request holds its whole buffer's worth from the start
+        # (`kv_bytes`); a request that does not fit beside them waits, first come first served
+        self.max_kv_bytes = max_kv_bytes
+        self.kv_per_token = kv_bytes_per_token(target)
+        self._held: Job | None = None  # taken from the queue, waiting for KV memory
 
     # -- building a request's plan --------------------------------------------------------
 
@@ -246,19 +269,48 @@ class Engine:
         if self._worker is not None:
             self._worker.join(timeout)
 
-    def submit(self, *jobs: Job) -> None:
-        """Queue jobs (a request's `n` choices: all or none), or refuse them with 503 when
-        `--max-queue` leaves no room for them all. Called on the event loop only."""
-        if self.jobs.maxsize - self.jobs.qsize() < len(jobs):
+    def check_room(self, count: int) -> None:
+        """A 503 RequestError unless the worker runs and the queue has room for `count` jobs
+        (checked before a request is tokenized, and again as it is queued)."""
+        if not self.healthy:
+            raise RequestError(WORKER_STOPPED, status=503)
+        if self.jobs.maxsize - self.jobs.qsize() < count:
             raise RequestError(
                 f"the server's queue is full ({self.jobs.maxsize} requests waiting); "
                 "try again later", status=503)
+
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (a request's `n` choices: all or none), or refuse them with 503 when
+        `--max-queue` leaves no room for them all. Called on the event loop only."""
+        self.check_room(len(jobs))
         for job in jobs:
             self.jobs.put_nowait(job)
 
     @property
     def waiting(self) -> int:
-        return self.jobs.qsize() + self.batch_waiting
+        return self.jobs.qsize() + self.batch_waiting + (self._held is not None)
+
+    def kv_need(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The KV cache bytes one generation holds at most: its buffer grown to the prompt,
+        the output and a draft tree's rows (`SequenceKV` doubles it as it grows)."""
+        rows = max(INITIAL_CAPACITY, prompt_len + max_new_tokens + TREE_ROWS)
+        return (1 << (rows - 1).bit_length()) * self.kv_per_token
+
+    def check_kv(self, prompt_len: int, max_new_tokens: int, n: int) -> int:
+        """Each choice's KV need; a RequestError where the request's `n` choices together could
+        never fit in the server's KV memory."""
+        need = self.kv_need(prompt_len, max_new_tokens)
+        if self.max_kv_bytes is not None and n * need > self.max_kv_bytes:
+            raise RequestError(
+                f"this request needs {n * need / 2**20:.0f} MB of KV cache ({n} x "
+                f"({prompt_len} prompt + {max_new_tokens} completion tokens)); this server "
+                f"holds {self.max_kv_bytes / 2**20:.0f} MB (--max-kv-mb): ask for fewer "
+                "max_tokens or choices", param="max_tokens")
+        return need
+
+    def _kv_fits(self, job: Job) -> bool:
+        held = sum(running.kv_bytes for _, running in self._jobs.values())
+        return self.max_kv_bytes is None or held + job.kv_bytes <= self.max_kv_bytes
 
     def request(self, job: Job) -> Request:
         """The batched loop's request for a job, as `dresd generate` makes it (`ar` is plain
@@ -288,14 +340,23 @@ class Engine:
         return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     def _work(self) -> None:
+        """The worker thread: jobs through the batched loop until `stop()`. Every failure is
+        kept to the jobs it concerns (`_serve`); if the thread dies anyway, nothing is left
+        waiting on it (`_die`)."""
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 - the end of the worker, whatever it was
+            self._die(err)
+
+    def _serve(self) -> None:
         batch = self.batch()
-        jobs: dict[int, tuple[Running, Job]] = {}  # id(state) -> (state, job)
+        jobs = self._jobs  # id(state) -> (state, job)
         while True:
             # 1. Take what was submitted while the batch has room (the rest waits in the
             #    bounded queue): wait for it when idle, else only what is there.
             while len(batch.running) + len(batch.waiting) < self.max_batch_size:
                 try:
-                    job = self.jobs.get(block=not batch.busy())
+                    job, self._held = self._held or self.jobs.get(block=not batch.busy()), None
                 except queue.Empty:
                     break
                 if job is None:  # stop(): cancel what runs and leave
@@ -303,12 +364,16 @@ class Engine:
                         batch.cancel(state)
                         running_job.post("error", RequestError("the server is shutting down",
                                                                status=503))
+                    jobs.clear()
                     return
                 if job.cancelled.is_set():  # its client left while it waited
                     continue
+                if jobs and not self._kv_fits(job):  # it waits, and every job after it
+                    self._held = job
+                    break
                 try:
                     state = batch.add(self.request(job))
-                except ValueError as err:
+                except Exception as err:  # noqa: BLE001 - this job's failure, reported to it
                     job.post("error", err)
                     continue
                 job.state, job.result = state, state.result
@@ -318,10 +383,13 @@ class Engine:
                 if job.cancelled.is_set():
                     batch.cancel(state)
                     del jobs[key]
-            # 3. One step for the whole batch.
+            # 3. One step for the whole batch. A sequence's own failure (its drafting,
+            #    sampling, stopping, streaming) ends that sequence alone, inside the step;
+            #    what escapes it failed the shared forward, which every running request was in.
             try:
                 finished = batch.step()
             except Exception as err:  # noqa: BLE001 - reported to its requests; the worker lives on
+                log.exception("a batched step failed; its %d requests fail with it", len(jobs))
                 for state, job in jobs.values():
                     batch.cancel(state)
                     job.post("error", err)
@@ -330,16 +398,76 @@ class Engine:
                 finished = []
             self.running, self.batch_waiting = len(batch.running), len(batch.waiting)
             if self.on_step is not None and batch.last_step[0]:
-                self.on_step(*batch.last_step)
+                self._guarded("the step's metrics", self.on_step, *batch.last_step)
                 batch.last_step = (0, 0)
             for state in finished:
                 state, job = jobs.pop(id(state))
                 if state.error is not None:
                     job.post("error", state.error)
                     continue
-                if self.on_finished is not None:
-                    self.on_finished(job.prompt_ids, state.result)
+                if self.on_finished is not None:  # --save-outputs: a full disk fails no reply
+                    self._guarded("saving an output", self.on_finished, job.prompt_ids,
+                                  state.result)
                 job.post("done", state.result)
+
+    @staticmethod
+    def _guarded(what: str, function: Callable[..., object], *args: object) -> None:
+        """Run one of the server's own callbacks; its failure is logged, and the requests it
+        was called for go on."""
+        try:
+            function(*args)
+        except Exception:  # noqa: BLE001 - logged with its traceback
+            log.exception("%s failed", what)
+
+    def _die(self, err: BaseException) -> None:
+        """The worker is ending on an error nothing caught: say so at once (/health answers
+        503, `submit` refuses), answer every running and queued request 503 so that none waits
+        forever, and call `on_death` (the server exits non-zero, so that its supervisor,
+        systemd, Kubernetes or Ray, restarts it)."""
+        self.dead = f"{type(err).__name__}: {err}"
+        log.critical("the generation worker died (%s); failing every request", self.dead,
+                     exc_info=err)
+        failure = RequestError(WORKER_STOPPED, status=503)
+        for _, job in self._jobs.values():
+            job.post("error", failure)
+        self._jobs.clear()
+        if self._held is not None:
+            self._held.post("error", failure)
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.post("error", failure)
+        if self.on_death is not None:
+            self.on_death()
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the worker is running (or not started yet) and has not died."""
+        return self.dead is None and (self._worker is None or self._worker.is_alive())
+
+
+def kv_bytes_per_token(target: Target) -> int:
+    """Bytes of keys and values a token takes in every layer's cache."""
+    config = target.model.config
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * target.dtype.itemsize
+
+
+def default_max_kv_bytes() -> int:
+    """Half the memory available when the server starts: the rest is the model's, the
+    prefix cache's and the system's."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):  # MemAvailable counts reclaimable caches
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    return available // 2
 
 
 def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
@@ -400,6 +528,15 @@ def load_drafters(
     return drafters, names
 
 
+# A request's own limits, as OpenAI's API sets them: at most 4 stop strings; each bounded too,
+# since every emitted token is checked against every stop string's window of text.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+# Seeds are 64-bit signed integers (vLLM's range); each of `n` choices adds its index, which
+# stays within the 64 bits torch's generators take.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
 def request_settings(
     defaults: GenerationSettings,
     max_tokens: int | None,
@@ -410,22 +547,27 @@ def request_settings(
     stop: list[str],
 ) -> GenerationSettings:
     """A request's generation settings: its own fields, else the command line's defaults.
-    Temperature 0 is greedy, and then top_p / top_k / seed do not matter (as in vLLM)."""
+    Temperature 0 (or below `GREEDY_BELOW`) is greedy, and then top_p / top_k / seed do not
+    matter (as in vLLM)."""
     base = defaults.sampling
     temperature = temperature if temperature is not None else (base.temperature if base else 0.0)
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}", param="temperature")
-    sampling = None
-    if temperature > 0:
-        try:
-            sampling = SamplingConfig(
-                temperature=temperature,
-                top_k=top_k if top_k is not None else (base.top_k if base else 0),
-                top_p=top_p if top_p is not None else (base.top_p if base else 1.0),
-                seed=seed if seed is not None else (base.seed if base else None),
-            )
-        except ValueError as err:
-            raise RequestError(str(err)) from None
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise RequestError(f"seed must be a 64-bit signed integer (from {SEED_RANGE[0]} to "
+                           f"{SEED_RANGE[1]}), got {seed}", param="seed")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+                           param="stop")
+    if any(len(string) > MAX_STOP_CHARS for string in stop):
+        raise RequestError(f"each stop string has at most {MAX_STOP_CHARS} characters",
+                           param="stop")
+    try:
+        sampling = sampling_or_greedy(
+            temperature,
+            top_k=top_k if top_k is not None else (base.top_k if base else 0),
+            top_p=top_p if top_p is not None else (base.top_p if base else 1.0),
+            seed=seed if seed is not None else (base.seed if base else None))
+    except UserError as err:  # "temperature must ...", "top_p must ...": the field first
+        raise RequestError(str(err), param=str(err).split(" ", 1)[0]) from None
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     return GenerationSettings(

@@ -31,7 +31,9 @@ class StreamOptions(BaseModel):
 class GenerationFields(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as vLLM does
+    # Unknown fields are ignored, as vLLM does; NaN and infinities (which Python's JSON reader
+    # takes) are refused, since they slip past every range check.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -159,51 +161,86 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class IncrementalText:
-    """Token ids in, text out in pieces, for streaming.
+    """Token ids in, text out in pieces, for streaming, in time linear in the output.
 
-    Every call decodes all the tokens so far (so a character whose bytes span two tokens comes
-    out whole) and releases only text that can no longer change: not a trailing incomplete
-    character, and, with stop strings, not the last (longest stop string - 1) characters,
-    which could begin one. As in OpenAI's API the stop string itself is never sent: the text
-    ends where it begins.
+    Each call decodes only the tokens since the last whole character, with a few tokens
+    before them as context (a tokenizer may decode a token differently at the start of a
+    text): the new text is what the window decodes to beyond what its context alone decodes
+    to, released once it ends in a whole character (a character whose bytes span two tokens
+    comes out whole, as vLLM's detokenizer does it). With stop strings, the last (longest stop
+    string - 1) characters are held back, since they could begin one, and each stop string is
+    searched for only in the text that could hold a new match. As in OpenAI's API the stop
+    string itself is never sent: the text ends where it begins.
     """
+
+    CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for the tokenizer's context
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
+        self.decoded = ""  # the text of every token up to `self.read`
+        self.context = 0  # the window's context starts at this token
+        self.read = 0  # tokens whose text is in `decoded`
+        self.searched = 0  # no stop string starts before this character of `decoded`
+        self.end: int | None = None  # where the first stop string starts, once found
         self.sent = 0  # characters released so far
-        self.stopped = False  # a stop string was found
 
-    def _text(self) -> tuple[str, bool]:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string was found."""
+        return self.end is not None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _read(self, final: bool) -> None:
+        """Decode the tokens after `self.read` into `decoded`: once they end in a whole
+        character, or all of them when the output has ended."""
+        if self.read == len(self.ids) or self.end is not None:
+            return
+        before = self._decode(self.ids[self.context:self.read])
+        window = self._decode(self.ids[self.context:])
+        if not window.startswith(before):  # the context decoded otherwise: decode it all
+            before, window = self.decoded, self._decode(self.ids)
+        if window.endswith("\ufffd") and not final:
+            return  # a character's bytes are still coming
+        self.decoded += window[len(before):]
+        self.context = max(0, len(self.ids) - self.CONTEXT_TOKENS)
+        self.read = len(self.ids)
+        self._find_stop()
+
+    def _find_stop(self) -> None:
+        """Look for the stop strings in the text that can hold a match not seen before."""
+        cuts = [i for i in (self.decoded.find(s, self.searched) for s in self.stop) if i >= 0]
         if cuts:
-            return text[: min(cuts)], True
-        return text, False
+            self.end = min(cuts)
+        else:
+            self.searched = max(0, len(self.decoded) - self.hold)
+
+    def _release(self, safe: int) -> str:
+        if self.end is not None:
+            safe = self.end
+        piece = self.decoded[self.sent:safe] if safe > self.sent else ""
+        self.sent += len(piece)
+        return piece
 
     def add(self, tokens: list[int]) -> str:
         """The new text that is safe to send after these tokens."""
         self.ids.extend(tokens)
-        text, self.stopped = self._text()
-        safe = len(text)
-        if not self.stopped:
-            safe = len(text.rstrip("\ufffd")) - self.hold
-        piece = text[self.sent : safe] if safe > self.sent else ""
-        self.sent += len(piece)
-        return piece
+        self._read(final=False)
+        return self._release(len(self.decoded) - self.hold)
 
     def finish(self) -> str:
         """The rest of the text once generation has ended."""
-        text, self.stopped = self._text()
-        piece = text[self.sent :]
-        self.sent = len(text)
-        return piece
+        self._read(final=True)
+        return self._release(len(self.decoded))
 
     @property
     def text(self) -> str:
-        return self._text()[0]
+        """All the text so far, up to a stop string."""
+        return self.decoded[:self.end]
 
 
 def chat_logprobs(entries: list[TokenLogprob], tokenizer: PreTrainedTokenizerBase) -> dict:
@@ -302,7 +339,9 @@ def usage_chunk(kind: Literal["chat", "text"], request_id: str, created: int, mo
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error object."""
+    """OpenAI's error object. A message may quote the request (a model name, a template's
+    complaint): a lone surrogate there is escaped, so that the body still encodes as UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     kinds = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
              503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": kinds.get(status, "InternalServerError"),
