@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -110,7 +111,7 @@ async def request(app, body: bytes = b"", path: str = "/v1/chat/completions",
 
 def ingress(replicas: FakeReplicas | None = None, **options) -> AffinityIngress:
     options = {"api_key": KEY, "health": ReplicaHealth(), **options}
-    return AffinityIngress(replicas or FakeReplicas(), 1 << 20, **options)
+    return AffinityIngress(replicas or FakeReplicas(), 64 << 20, **options)
 
 
 # -- 1. the API key, before the body --------------------------------------------------------
@@ -196,9 +197,10 @@ def test_json_nested_too_deep_gets_400_unforwarded():
     replicas = FakeReplicas()
     app = ingress(replicas)
     deep = b"[" * 5000 + b"]" * 5000  # json.loads: RecursionError (a 500 before)
+    large_deep = b"[" * (2 << 20)  # past PARSE_ON_THREAD_BYTES: checked on a thread
     deep_object = json.dumps({"messages": [{"role": "user", "content": "x"}],
                               "extra": json.loads("[" * 200 + "]" * 200)}).encode()
-    replies = [asyncio.run(request(app, body)) for body in (deep, deep_object)]
+    replies = [asyncio.run(request(app, body)) for body in (deep, deep_object, large_deep)]
     for reply in replies:
         assert reply.status == 400
         assert reply.json()["error"]["type"] == "BadRequestError"
@@ -216,6 +218,10 @@ def test_json_too_deep_counts_only_nesting():
     assert json_too_deep(b"[" * (limit + 1) + b"]" * (limit + 1))
     assert not json_too_deep(json.dumps([[1]] * 10_000).encode())  # many, shallow
     assert not json_too_deep(json.dumps(["[{" * 1000, 'a"\\[' * 500]).encode())  # in strings
+    # one pass over a long string (a backtracking pattern took 3.5 s on this one)
+    started = time.perf_counter()
+    assert not json_too_deep(b'["' + b"[" * (8 << 20) + b'"]')
+    assert time.perf_counter() - started < 1
     # past one scanning chunk (1 MiB of brackets): the depth carries over
     assert json_too_deep(b"[]" * (1 << 20) + b"{" * (limit + 1))
     assert not json_too_deep(b"[]" * (1 << 20) + b"{" * limit)
@@ -274,8 +280,6 @@ def test_the_ingress_reads_the_replicas_health_and_answers_503_when_none_is_up()
     reports = {"a": (0.0, 200), "b": (0.0, 200)}
 
     async def health_reports() -> dict:
-        import time
-
         return {name: (time.time(), status) for name, (_, status) in reports.items()}
 
     replicas = FakeReplicas()

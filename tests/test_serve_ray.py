@@ -52,8 +52,8 @@ def deployment(tmp_path_factory):
              _node_ip_address="127.0.0.1")
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     try:
-        ray_serve.deploy(args, build_app, served_model_name(args))
-        yield f"http://127.0.0.1:{port}", saved
+        board = ray_serve.deploy(args, build_app, served_model_name(args))
+        yield f"http://127.0.0.1:{port}", saved, board
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -128,7 +128,7 @@ def pooled_successes(url: str) -> float:
 
 
 def test_two_replicas_stream_what_generate_prints(deployment, default_references):
-    url, _ = deployment
+    url, _, _ = deployment
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
         replies = list(pool.map(lambda prompt: streamed_chat(url, prompt), QUESTIONS))
     for prompt, (text, finish, _) in zip(QUESTIONS, replies, strict=True):
@@ -222,7 +222,7 @@ def test_a_conversation_stays_on_its_replica(deployment):
     """Two conversations, one whose key ranks each replica first: both turns of each reach that
     replica, and the second turn reads its history from that replica's prefix cache; then
     /reset_prefix_cache empties every replica's cache."""
-    url, _ = deployment
+    url, _, _ = deployment
     ids = replica_ids()
     chats = {}
     for index in range(64):  # a first question for each replica
@@ -254,7 +254,7 @@ def test_a_conversation_stays_on_its_replica(deployment):
 
 
 def test_the_api_key_is_checked_on_every_replica(deployment):
-    url, _ = deployment
+    url, _, _ = deployment
     for _ in range(4):  # requests land on either replica
         with pytest.raises(openai.AuthenticationError) as caught:
             client(url, "sk-wrong").models.list()
@@ -282,7 +282,7 @@ def test_each_replica_saves_its_outputs_for_build_append(deployment, default_tar
         prompt_ids = encode_prompt(default_target.tokenizer, QUESTIONS[0], True)
         return runner.generate(prompt_ids).num_target_forwards
 
-    url, saved = deployment
+    url, saved, _ = deployment
     answered = set()
     for prompt in QUESTIONS * 2:  # until both replicas have generated (alone, this test too)
         if len(answered) == 2 and prompt != QUESTIONS[0]:
@@ -313,7 +313,7 @@ def test_a_client_gone_stops_its_generation_behind_the_ingress(deployment):
     import http.client
     import socket
 
-    url, _ = deployment
+    url, _, _ = deployment
 
     def aborted() -> float:
         text = get(url + "/metrics", key=KEY)[1]
@@ -340,8 +340,49 @@ def test_a_client_gone_stops_its_generation_behind_the_ingress(deployment):
         time.sleep(0.5)
 
 
+def test_a_replica_reported_unhealthy_gets_no_requests(deployment):
+    """A replica whose /health is not 200 on the board (what its health check reports once its
+    worker thread has died) gets no more requests through the ingress: a conversation it ranks
+    first goes to the other replica; when it reports 200 again (Ray Serve's next check, every
+    5 s), the conversation comes back to it."""
+    import threading
+
+    from dresd.serve.ray_routing import HEALTH_EVERY_S
+
+    url, _, board = deployment
+    down = replica_ids()[0]
+    question = next(chat for chat in (user_chat(f"Name a fruit ({i}).") for i in range(64))
+                    if first_choice(chat) == down)
+
+    def answered_by() -> str:
+        reply = client(url).chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=1, **question)
+        return reply.headers["x-dresd-replica"]
+
+    assert answered_by() == down
+    stop = threading.Event()
+
+    def report_down() -> None:  # more often than Ray Serve's own checks (200) overwrite it
+        while not stop.is_set():
+            board.put_health.remote(down, 503)
+            time.sleep(0.05)
+
+    reporter = threading.Thread(target=report_down, daemon=True)
+    reporter.start()
+    try:
+        time.sleep(3 * HEALTH_EVERY_S)  # the ingress reads the board every HEALTH_EVERY_S
+        assert answered_by() != down
+    finally:
+        stop.set()
+        reporter.join()
+    deadline = time.monotonic() + 30
+    while answered_by() != down:
+        assert time.monotonic() < deadline, "the replica got no requests after 200 again"
+        time.sleep(1)
+
+
 def test_a_killed_replica_fails_its_stream_and_the_other_answers(deployment):
-    url, _ = deployment
+    url, _, _ = deployment
     stream = client(url).chat.completions.with_streaming_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}],
         max_tokens=400, stream=True)

@@ -6,9 +6,12 @@ replica that answered the first. Ray Serve's proxy cannot route on what it has n
 body reaches a replica after it is chosen), so the deployment has a small ingress in front of
 the replicas (no model, no CPU reserved):
 
-- `AffinityIngress` (the app's HTTP ingress) reads the body, derives the request's
-  *conversation key* (`conversation_key`: the `cache_salt` and the messages up to and including
-  the first user message, or the first characters of a completion's prompt), and passes the
+- `AffinityIngress` (the app's HTTP ingress) checks the API key from the headers (a refused
+  request reads no body), answers 503 past `max_in_flight` requests at once (by default what
+  the replicas hold) and 400 to a body nested past MAX_JSON_DEPTH; it reads the body, derives
+  the request's *conversation key* (`conversation_key`: the `cache_salt` and the messages up
+  to and including the first user message, or the first characters of a completion's prompt;
+  none for a body that is not JSON or not a request, which any replica refuses), and passes the
   request on to the model replicas through a deployment handle with the key as Ray Serve's
   `session_id`; the replica's response (the app's ASGI messages, streamed) comes back the same
   way. Requests without a body (/health, /metrics, /v1/models) carry no key.
@@ -20,6 +23,12 @@ the replicas (no model, no CPU reserved):
   flight: new ones would wait) yields its place to a replica with room, so one hot prefix
   cannot hold requests in a queue while another replica idles; a request without a key goes to
   the least loaded replica.
+- `ReplicaHealth`: a replica whose /health is not 200 (the server's answer once its worker
+  thread has died), or that has not reported one for HEALTH_STALE_S, is skipped by the router
+  until it reports 200 again: a conversation pinned to it moves to the next replica in its
+  ranking. Each replica reports its status to the metrics board at Ray Serve's health checks
+  (`ModelReplica.check_health`, which also fails, so that Ray Serve replaces a replica that
+  stays unhealthy); the ingress reads the board every HEALTH_EVERY_S.
 
 Why the first user message and not the first K tokens: every chat of an application shares its
 system prompt, so a key of the first K tokens would send all of them to one replica; the first
@@ -71,6 +80,7 @@ ABANDONED_S = 60.0
 # comes near it (a tool's JSON schema, the deepest part, is a few levels), and Python's json
 # raises RecursionError near 1,000 levels, on the ingress and again on a replica.
 MAX_JSON_DEPTH = 64
+PARSE_ON_THREAD_BYTES = 1 << 20
 # Requests the ingress holds at once without --ingress-max-requests: what the replicas hold
 # (`max_ongoing_requests` each); past it the ingress answers 503 at once, so a burst waits
 # nowhere unbounded. Ray Serve sends the ingress INGRESS_HEADROOM more than that, so the
@@ -89,7 +99,9 @@ class BadRequest(ValueError):
     """A body the ingress refuses itself (400), before any replica parses it."""
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# A JSON string; possessive (Python 3.11), so that a long or unterminated one costs one pass
+# (`(?:[^"\\]|\\.)*` took 28 s on a 64 MiB string of brackets, this 0.2 s).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
 _NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 _DEPTH_CHUNK = 1 << 20
 
@@ -167,6 +179,16 @@ class ReplicaHealth:
 REPLICA_HEALTH = ReplicaHealth()
 
 
+def process_health() -> ReplicaHealth:
+    """REPLICA_HEALTH of this module as this process imported it. Not the global itself: Ray
+    Serve sends the request router's class to the ingress by value (cloudpickle), with copies
+    of the module globals it refers to, so a router reading REPLICA_HEALTH would read a copy
+    the ingress never updates. An import at call time finds the module the ingress runs."""
+    from dresd.serve import ray_routing
+
+    return ray_routing.REPLICA_HEALTH
+
+
 def conversation_key(payload: Any) -> str | None:
     """The key that sends every turn of one conversation to one replica: a hash of the
     request's `cache_salt` and its messages up to and including the first user message (chat),
@@ -215,7 +237,7 @@ class PrefixAffinityRouter(RequestRouter):
     the next in its ranking, and comes back when it answers 200 again."""
 
     spill_at: int | None = None
-    health: ReplicaHealth = REPLICA_HEALTH
+    health: ReplicaHealth | None = None  # None: this process's table (`process_health`)
 
     def initialize_state(self, spill_at: int | None = None, **kwargs) -> None:
         self.spill_at = spill_at
@@ -235,8 +257,8 @@ class PrefixAffinityRouter(RequestRouter):
             named = [replica for replica in candidate_replicas
                      if replica.replica_id.unique_id == key.removeprefix(ONE_REPLICA)]
             return [named] if named else []
-        candidate_replicas = self.health.usable(candidate_replicas,
-                                                lambda replica: replica.replica_id.unique_id)
+        candidate_replicas = (self.health or process_health()).usable(
+            candidate_replicas, lambda replica: replica.replica_id.unique_id)
         if not key or not candidate_replicas:
             return [candidate_replicas]  # one rank: the least loaded of all
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
@@ -352,7 +374,9 @@ class AffinityIngress:
     async def route(self, scope: dict, receive: Callable, send: Callable) -> None:
         body = await self.read_body(scope, receive)
         try:
-            payload = parse_body(body)
+            # A large body is parsed on a thread: the loop goes on streaming other replies.
+            payload = (await asyncio.to_thread(parse_body, body)
+                       if len(body) > PARSE_ON_THREAD_BYTES else parse_body(body))
         except BadRequest as refusal:
             await send_error(send, 400, str(refusal))
             return

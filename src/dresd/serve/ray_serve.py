@@ -16,7 +16,10 @@ one endpoint (Ray Serve's HTTP proxy on --host:--port).
   replica is never handed more than its batch and queue hold; past that, requests wait in Ray
   Serve's router.
 - The API key is checked by each replica's app (the same middleware), so the endpoint behaves
-  as the single-process server. Ray Serve's own `/-/healthz` and `/-/routes` stay open.
+  as the single-process server, and with affinity by the ingress too, before it reads a body.
+  Ray Serve's own `/-/healthz` and `/-/routes` stay open.
+- With affinity the ingress holds at most `ingress_max_requests` requests (503 past it) and
+  routes around a replica whose /health is not 200 (ray_routing.py).
 - `/metrics`: every replica sends its figures to one small actor (`MetricsBoard`) when a request
   ends and every few seconds; whichever replica answers /metrics renders the sum (every figure
   is a count or a sum, so the pooled ratios are exact), with the in-flight gauges of the
