@@ -146,18 +146,28 @@ static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m
 #define ROWS_IN_PARALLEL(rows, threads) ((threads) > 1 && (rows) >= 8)
 
 /* y = x W^T (+ bias) for contiguous rows: x rows x k, y rows x n, each part of the weight
- * into its own columns (linear.c or quant.c). Returns 0, -1 out of memory. */
+ * into its own columns (linear.c or quant.c). Returns 0, -1 out of memory, -2 where the parts'
+ * outputs do not fill y's n columns exactly (a weight of another shape than the model's: its
+ * columns would land past y's rows) or quant.c refuses the sizes. */
 static int project(const uint16_t *x, int rows, int k, const Weight *w, const float *bias,
                    int n, uint16_t *y, int threads) {
     int offset = 0;
+    if (w->count < 1 || w->count > 3) return -2;
+    for (int p = 0; p < w->count; p++) {
+        if (w->n[p] < 1) return -2;
+        offset += w->n[p];
+    }
+    if (offset != n) return -2;
+    offset = 0;
     for (int p = 0; p < w->count; p++) {
         const float *part_bias = bias ? bias + offset : NULL;
         if (w->layout[p] < 0) {
             dresd_linear(x, k, rows, w->data[p], (k + 1) / 2, w->n[p], part_bias, y + offset,
                          n, threads);
-        } else if (dresd_quant_linear(w->layout[p], x, k, rows, k, w->data[p], w->n[p],
-                                      part_bias, y + offset, n, 1, threads) != 0) {
-            return -1;
+        } else {
+            int status = dresd_quant_linear(w->layout[p], x, k, rows, k, w->data[p], w->n[p],
+                                            part_bias, y + offset, n, 1, threads);
+            if (status != 0) return status;
         }
         offset += w->n[p];
     }
@@ -166,7 +176,8 @@ static int project(const uint16_t *x, int rows, int k, const Weight *w, const fl
 
 /* Layer `layer` up to attention: the norm, q/k/v, rotary embedding, and each segment's keys
  * and values written into its cache. qkv: rows x qkv_width out (q stays there for attention).
- * cos, sin: rows x head_dim bf16 (each row's position). Returns 0, -1 out of memory. */
+ * cos, sin: rows x head_dim bf16 (each row's position). Returns 0, -1 out of memory, -2 a
+ * weight of another shape (`project`). */
 int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *hidden, int rows,
                                    const uint16_t *cos, const uint16_t *sin, uint16_t *qkv,
                                    const Segments *segments, int threads) {
@@ -203,7 +214,8 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
 }
 
 /* Layer `layer` after attention: hidden += mixed Wo^T, then the MLP and its residual.
- * mixed: rows x (heads * head_dim). Returns 0, -1 out of memory. */
+ * mixed: rows x (heads * head_dim). Returns 0, -1 out of memory, -2 a weight of another
+ * shape (`project`). */
 int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidden, int rows,
                                     const uint16_t *mixed, int threads) {
     int d = m->hidden, inter = m->intermediate;
@@ -211,27 +223,30 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
     if (!scratch) return -1;
     uint16_t *projected = scratch, *normed = projected + (size_t)rows * d;
     uint16_t *gate_up = normed + (size_t)rows * d, *act = gate_up + (size_t)rows * 2 * inter;
-    if (project(mixed, rows, m->heads * m->head_dim, &m->o[layer], NULL, d, projected,
-                threads) != 0) {
+    int status = project(mixed, rows, m->heads * m->head_dim, &m->o[layer], NULL, d,
+                         projected, threads);
+    if (status != 0) {
         free(scratch);
-        return -1;
+        return status;
     }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++) {
         add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
         rms_norm(hidden + (int64_t)r * d, m->post_norm[layer], d, m->eps, normed + (int64_t)r * d);
     }
-    if (project(normed, rows, d, &m->gate_up[layer], NULL, 2 * inter, gate_up, threads) != 0) {
+    status = project(normed, rows, d, &m->gate_up[layer], NULL, 2 * inter, gate_up, threads);
+    if (status != 0) {
         free(scratch);
-        return -1;
+        return status;
     }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
         silu_times(gate_up + (int64_t)r * 2 * inter, gate_up + (int64_t)r * 2 * inter + inter,
                    inter, act + (int64_t)r * inter);
-    if (project(act, rows, inter, &m->down[layer], NULL, d, projected, threads) != 0) {
+    status = project(act, rows, inter, &m->down[layer], NULL, d, projected, threads);
+    if (status != 0) {
         free(scratch);
-        return -1;
+        return status;
     }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
@@ -277,9 +292,21 @@ void dresd_decoder_final_norm(const Decoder *m, const uint16_t *hidden, int rows
 }
 
 /* The whole decoder on the embedded rows `hidden` (rows x hidden, updated in place), every
- * attention on the C kernel; `out` gets the final norm. Returns 0, -1 out of memory. */
+ * attention on the C kernel; `out` gets the final norm. Returns 0, -1 out of memory, -2 sizes
+ * it does not take (the loops above step 16 lanes, a head's rotation 32), or a weight of
+ * another shape than the model's (`project`), or a segment's rows outside the forward's or
+ * its cache's. */
 int dresd_decoder(const Decoder *m, uint16_t *hidden, int rows, const uint16_t *cos,
                   const uint16_t *sin, const Segments *segments, uint16_t *out, int threads) {
+    if (m->layers < 0 || m->hidden < 16 || m->hidden % 16 || m->intermediate < 16
+        || m->intermediate % 16 || m->head_dim < 32 || m->head_dim % 32 || m->heads < 1
+        || m->kv_heads < 1 || m->heads % m->kv_heads || rows < 0)
+        return -2;
+    for (int s = 0; s < segments->count; s++)
+        if (segments->first[s] < 0 || segments->rows[s] < 0 || segments->start[s] < 0
+            || segments->first[s] + segments->rows[s] > rows
+            || segments->start[s] + segments->rows[s] > segments->capacity[s])
+            return -2;
     uint16_t *qkv = malloc((size_t)rows * (qkv_width(m) + m->heads * m->head_dim)
                            * sizeof(uint16_t));
     if (!qkv) return -1;

@@ -44,9 +44,15 @@ class WeightStruct(ctypes.Structure):
                 ("data", _pointer * 3)]
 
 
-def weight_struct(module: torch.nn.Module) -> WeightStruct:
-    """The `Weight` of an `InvariantLinear`, a `QuantLinear` or a `QuantParts`."""
+def weight_struct(module: torch.nn.Module, k: int | None = None, n: int | None = None,
+                  name: str = "a projection") -> WeightStruct:
+    """The `Weight` of an `InvariantLinear`, a `QuantLinear` or a `QuantParts`; with k and n,
+    checked first to take k inputs to n outputs, its packed buffers of the size the C kernels
+    read for that (they cannot see a buffer's size: a weight of another shape than the model's
+    would be read, or written, past its end)."""
     parts = module.parts if isinstance(module, QuantParts) else [module]
+    if k is not None:
+        _check_parts(parts, k, n, name)
     struct = WeightStruct(len(parts))
     for index, part in enumerate(parts):
         if isinstance(part, InvariantLinear):
@@ -58,8 +64,40 @@ def weight_struct(module: torch.nn.Module) -> WeightStruct:
     return struct
 
 
-def _weights(modules: list[torch.nn.Module]) -> ctypes.Array:
-    return (WeightStruct * len(modules))(*[weight_struct(module) for module in modules])
+def _check_parts(parts: list[torch.nn.Module], k: int, n: int, name: str) -> None:
+    """A ValueError naming the projection unless its parts take k inputs to n outputs in all,
+    each packed as its kernel reads it."""
+    if not 1 <= len(parts) <= 3 or sum(part.out_features for part in parts) != n:
+        raise ValueError(f"C decoder: {name} has {[p.out_features for p in parts]} outputs "
+                         f"where the model needs {n}")
+    for part in parts:
+        if part.in_features != k:
+            raise ValueError(f"C decoder: {name} takes {part.in_features} inputs where the "
+                             f"model gives it {k}")
+        if isinstance(part, InvariantLinear):
+            need = -(-part.out_features // cpu_linear.PANEL) * cpu_linear.PANEL * (k + k % 2)
+            have = part.packed_weight.numel()
+        else:
+            need, have = quant.packed_bytes(part.qtype, part.out_features, k), part.packed.numel()
+        if have != need:
+            raise ValueError(f"C decoder: {name}'s packed weight holds {have} elements where "
+                             f"{part.out_features} x {k} packs into {need}")
+
+
+def _weights(modules: list[torch.nn.Module], k: int, n: int, name: str) -> ctypes.Array:
+    return (WeightStruct * len(modules))(*[weight_struct(module, k, n, f"layer {i}'s {name}")
+                                           for i, module in enumerate(modules)])
+
+
+def _vectors(tensors: list[torch.Tensor | None], size: int, dtype: torch.dtype,
+             name: str) -> ctypes.Array:
+    """The addresses of per-layer vectors (norms, biases) the C decoder reads `size` of."""
+    for i, tensor in enumerate(tensors):
+        if tensor is not None and (tensor.dtype != dtype or tensor.numel() < size
+                                   or not tensor.is_contiguous()):
+            raise ValueError(f"C decoder: layer {i}'s {name} is {tensor.dtype} "
+                             f"[{tensor.numel()}] where it reads {dtype} [{size}]")
+    return _addresses(tensors)
 
 
 PROJECTIONS = (InvariantLinear, QuantLinear, QuantParts)  # what the C decoder multiplies by
@@ -149,13 +187,24 @@ class CDecoder:
         layers = decoder.layers
         attention = layers[0].self_attn
         self.threads = None  # default: torch.get_num_threads() at each call
-        input_norms = _addresses([layer.input_layernorm.weight for layer in layers])
-        post_norms = _addresses([layer.post_attention_layernorm.weight for layer in layers])
-        qkv_biases = _addresses([parts.qkv.bias for parts in fused])
-        qkv = _weights([parts.qkv for parts in fused])
-        o = _weights([layer.self_attn.o_proj for layer in layers])
-        gate_up = _weights([parts.gate_up for parts in fused])
-        down = _weights([layer.mlp.down_proj for layer in layers])
+        # every size the C code reads a weight or a vector by, checked here against the model's
+        hidden, inter = config.hidden_size, config.intermediate_size
+        heads, kv_heads, head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                     attention.head_dim)
+        q_width, qkv_width = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+        self.sizes = (hidden, head_dim)
+        bf16 = torch.bfloat16
+        input_norms = _vectors([layer.input_layernorm.weight for layer in layers], hidden, bf16,
+                               "input norm")
+        post_norms = _vectors([layer.post_attention_layernorm.weight for layer in layers],
+                              hidden, bf16, "post-attention norm")
+        _vectors([decoder.norm.weight], hidden, bf16, "final norm")
+        qkv_biases = _vectors([parts.qkv.bias for parts in fused], qkv_width, torch.float32,
+                              "q/k/v bias")
+        qkv = _weights([parts.qkv for parts in fused], hidden, qkv_width, "q/k/v")
+        o = _weights([layer.self_attn.o_proj for layer in layers], q_width, hidden, "o")
+        gate_up = _weights([parts.gate_up for parts in fused], hidden, 2 * inter, "gate/up")
+        down = _weights([layer.mlp.down_proj for layer in layers], inter, hidden, "down")
         # kept alive: the struct points into them
         self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down]
         self.struct = DecoderStruct(
@@ -190,6 +239,8 @@ class CDecoder:
 
     @staticmethod
     def _check(status: int, name: str) -> None:
+        if status == -2:
+            raise ValueError(f"{name}: sizes it does not take (decoder.c's `dresd_decoder`)")
         if status != 0:
             raise MemoryError(f"{name}: out of memory")
 
@@ -197,6 +248,15 @@ class CDecoder:
                 segments: SegmentsStruct) -> torch.Tensor:
         """Every layer and the final norm on hidden [rows, hidden] (embedded rows, bf16,
         contiguous; updated in place), cos/sin [rows, head_dim] bf16. Returns the normed rows."""
+        hidden_size, head_dim = self.sizes
+        rows = hidden.shape[0]
+        if (hidden.dtype != torch.bfloat16 or not hidden.is_contiguous()
+                or hidden.shape != (rows, hidden_size)
+                or any(t.dtype != torch.bfloat16 or not t.is_contiguous()
+                       or t.shape != (rows, head_dim) for t in (cos, sin))):
+            raise ValueError(f"C decoder: rows [{rows}, {hidden_size}] and cos/sin [{rows}, "
+                             f"{head_dim}] bf16 contiguous, not {tuple(hidden.shape)}, "
+                             f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         out = torch.empty_like(hidden)
         status = self.library.dresd_decoder(
             ctypes.byref(self.struct), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),

@@ -300,11 +300,17 @@ static int64_t dresd_quant_group_bytes(int layout, int k) {
 
 /* y = x W^T (+ bias): x rows x k bf16 (row stride x_stride elements; k a multiple of 32);
  * packed: the header's layout, ceil(n / 32) groups; bias: float32 [n] or NULL; y: rows x n,
- * bf16 (out_bf16 = 1) or float32, row stride y_stride. Returns 0, or -1 where memory for the
- * quantized rows could not be had. */
+ * bf16 (out_bf16 = 1) or float32, row stride y_stride. Returns 0, -1 where memory for the
+ * quantized rows could not be had, -2 where the sizes are none it takes (a layout it has not,
+ * k not a whole number of blocks, n < 1, y's rows narrower than n): it reads nothing then. The
+ * packed buffer's size it cannot see: its callers check it (quant.py `check_sizes`). */
 int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows, int k,
                        const uint8_t *packed, int n, const float *bias, void *y,
                        int64_t y_stride, int out_bf16, int threads) {
+    if (layout < 0 || layout >= (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0])) || rows < 0
+        || k < QBLOCK || k % QBLOCK || (LAYOUTS[layout].kquant && k % (QBLOCK * SUPER))
+        || n < 1 || y_stride < n || x_stride < k)
+        return -2;
     const int blocks = k / QBLOCK;
     int8_t *xq = malloc((size_t)rows * k + 64);
     float *dx = malloc(sizeof(float) * (size_t)rows * blocks);

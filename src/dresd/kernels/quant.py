@@ -287,6 +287,32 @@ def pack_rows(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return packed
 
 
+def packed_bytes(qtype: Q, out_features: int, k: int) -> int:
+    """The bytes `pack` gives a `qtype` weight of out_features x k."""
+    return -(-out_features // GROUP) * LAYOUTS[qtype].group_bytes(k)
+
+
+def check_sizes(qtype: Q, packed: torch.Tensor, out_features: int, k: int,
+                bias: torch.Tensor | None) -> None:
+    """A ValueError unless the kernel may read a k-input row against `packed` (the kernel reads
+    ceil(out_features / 32) groups of k inputs' blocks from it: an input whose k is not the
+    weight's would read past its end) and `bias` [out_features]."""
+    block = 256 if LAYOUTS[qtype].kquant else BLOCK
+    if k < 1 or k % block or out_features < 1:
+        raise ValueError(f"quant.linear: {qtype.name} takes inputs of a multiple of {block} to "
+                         f"{out_features} outputs, not {k}")
+    if (packed.dtype != torch.uint8 or not packed.is_contiguous()
+            or packed.numel() != packed_bytes(qtype, out_features, k)):
+        raise ValueError(f"quant.linear: a {qtype.name} weight of {out_features} outputs and "
+                         f"{k} inputs packs into {packed_bytes(qtype, out_features, k)} bytes, "
+                         f"not {packed.numel()} ({packed.dtype}): the input's size is not the "
+                         "weight's")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() < out_features
+                             or not bias.is_contiguous()):
+        raise ValueError(f"quant.linear: the bias must be float32 [{out_features}], not "
+                         f"{bias.dtype} [{bias.numel()}]")
+
+
 def linear(x: torch.Tensor, qtype: Q, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
            ) -> torch.Tensor:
@@ -297,11 +323,17 @@ def linear(x: torch.Tensor, qtype: Q, packed: torch.Tensor, out_features: int,
     if rows_x.dtype != torch.bfloat16 or rows_x.stride(-1) != 1:
         rows_x = rows_x.to(torch.bfloat16).contiguous()
     rows, k = rows_x.shape
+    check_sizes(qtype, packed, out_features, k, bias)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"quant.linear: out_dtype bf16 or float32, not {out_dtype}")
     y = torch.empty(rows, out_features, dtype=out_dtype)
     status = library.dresd_quant_linear(
         LAYOUTS[qtype].number, rows_x.data_ptr(), rows_x.stride(0), rows, k, packed.data_ptr(),
         out_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
         1 if out_dtype == torch.bfloat16 else 0, torch.get_num_threads())
+    if status == -2:  # quant.c's own check of its arguments
+        raise ValueError(f"quant.c: {qtype.name}, k={k}, {out_features} outputs: sizes it "
+                         "does not take")
     if status != 0:
         raise MemoryError("quant.c: no memory for the quantized activations")
     return y.reshape(*shape[:-1], out_features)
