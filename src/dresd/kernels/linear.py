@@ -67,6 +67,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """y = x W^T (+ bias) for x [..., K] bf16 on the CPU, W packed by `pack`; bias: float32
     [N padded to 32] or None. threads: default `torch.get_num_threads()`. Returns [..., N]."""
     k = x.shape[-1]
+    # the kernel reads (k + 1) / 2 pairs of every output's panel: a packed weight of another k
+    # would be read past its end
+    if packed.numel() != -(-out_features // PANEL) * PANEL * (k + k % 2) or (
+            bias is not None and bias.numel() < out_features):
+        raise ValueError(f"linear: a weight packed in {packed.numel()} elements does not take "
+                         f"inputs of {k} to {out_features} outputs"
+                         + ("" if bias is None else f" (bias: {bias.numel()})"))
     rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.stride(-1) != 1 or k % 2:
         rows = torch.nn.functional.pad(rows, (0, k % 2)) if k % 2 else rows.contiguous()
