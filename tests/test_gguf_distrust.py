@@ -11,6 +11,7 @@ not pytest, and the case it was on fails with the signal."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from gguf import GGUFReader
 from gguf_files import Q, write_tiny_gguf
 
+from dresd.host import cache_dir
 from dresd.kernels import quant
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
@@ -274,3 +276,39 @@ def test_a_damaged_file_is_one_clear_error(outcomes, case):
     assert Path(result["path"]).name in result["message"], result  # the file is named
     if case.blames is not None:
         assert repr(case.blames) in result["message"], result
+
+
+# The kernels' own tests (and the damaged files above), against the kernels built with
+# AddressSanitizer and UBSan: an out-of-bounds read or write, or undefined behaviour, in any C
+# kernel they reach aborts the child with the sanitizer's report.
+SANITIZED_TESTS = ["tests/test_kernel_linear.py", "tests/test_kernel_attention.py",
+                   "tests/test_kernel_decoder.py", "tests/test_gguf_distrust.py",
+                   "tests/test_gguf.py"]
+SANITIZED_SELECTION = ("damaged_file or (not gguf_distrust and not test_gguf) or unpacked_blocks "
+                       "or header_states or rows_beside or fused_projections")
+
+
+def test_the_kernels_tests_pass_under_address_and_undefined_behaviour_sanitizers():
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    runtime = compiler and subprocess.run([compiler, "-print-file-name=libasan.so"],
+                                          capture_output=True, text=True).stdout.strip()
+    if not runtime or not Path(runtime).is_absolute():
+        pytest.skip("no AddressSanitizer runtime for this compiler")
+    env = dict(os.environ,
+               # a build of their own (the flags are part of each library's key as well)
+               DRESD_KERNEL_DIR=str(cache_dir() / "kernels-sanitized"),
+               DRESD_KERNEL_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer "
+                                  "-fno-sanitize-recover=undefined",
+               LD_PRELOAD=runtime,  # the runtime must come before everything Python loads
+               # Python and torch leak and mismatch allocators by design: the kernels are
+               # what is checked here
+               ASAN_OPTIONS="detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0",
+               UBSAN_OPTIONS="print_stacktrace=1")
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         SANITIZED_SELECTION, *SANITIZED_TESTS], cwd=TESTS.parent, env=env,
+        capture_output=True, text=True, timeout=600)
+    output = child.stdout + child.stderr
+    assert "Sanitizer" not in output and "runtime error" not in output, output[-6000:]
+    assert child.returncode == 0, output[-6000:]
+    assert " passed" in output and "skipped" not in output.splitlines()[-1], output[-2000:]

@@ -4,6 +4,10 @@ A kernel is compiled once per machine with the system C compiler (`cc`, or `$CC`
 cache (`$DRESD_CACHE/kernels/`), keyed by its source, the compiler flags, the compiler and the
 CPU (-march=native compiles for this CPU only), and loaded with ctypes. Where there is no
 compiler, or the compile fails, `load` returns None and the caller keeps its PyTorch path.
+
+`$DRESD_KERNEL_FLAGS` adds compiler flags to every kernel's and `$DRESD_KERNEL_DIR` builds them
+elsewhere: the sanitizer test (`tests/test_gguf_distrust.py`) builds them with
+`-fsanitize=address,undefined` and runs the kernels' tests against that build.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ def load(source: Path, flags: tuple[str, ...], switch: str, instead: str,
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
+    flags = (*flags, *os.environ.get("DRESD_KERNEL_FLAGS", "").split())
     text = "\n".join(path.read_text() for path in (source, *includes))
     digest = hashlib.sha256("\n".join([text, *flags, compiler, cpu_key()]).encode())
-    path = cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    folder = Path(os.environ.get("DRESD_KERNEL_DIR") or cache_dir() / "kernels")
+    path = folder / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
