@@ -289,3 +289,64 @@ def test_a_dead_worker_fails_every_request_and_ends_the_process(tiny_folder, tmp
         assert len(replies) == 6 and all(status == 503 for status, _ in replies), replies
         assert doomed.process.wait(timeout=30) == WORKER_DIED_EXIT
     assert "InjectedDeath" in doomed.log()
+
+
+# -- tenants -----------------------------------------------------------------------------------
+
+TENANT_KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}
+LONG_PROMPT = " ".join(f"item {i}: a line of the shared system prompt." for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def tenants_server(tiny_folder, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in TENANT_KEYS.items()))
+    # --no-budget: trees verified as drafted, so that a run's forwards depend on what its
+    # drafter learned alone (the budget's acceptance estimates are the server's, docs/serving.md)
+    with LocalServer(["--model", str(tiny_folder), *COMMON, "--no-budget", "--api-key-file",
+                      str(key_file)]) as live:
+        yield live
+    assert "Traceback" not in live.log()
+    assert not any(key in live.log() for key in TENANT_KEYS.values())
+
+
+def as_tenant(server: LocalServer, tenant: str, body: dict,
+              path: str = "/v1/completions") -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {TENANT_KEYS[tenant]}"})
+        reply = conn.getresponse()
+        assert reply.status == 200, reply.read()
+        return json.loads(reply.read())
+    finally:
+        conn.close()
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_tenants_share_no_prefix_cache_entry_and_reset_their_own(tenants_server):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 4, "method": "ar"}
+    assert cached(as_tenant(tenants_server, "alice", body)) == 0
+    again = cached(as_tenant(tenants_server, "alice", body))
+    assert again > 0 and again % 16 == 0  # whole blocks: it says nothing to the token
+    # the same prompt, and even the same cache_salt, from bob: none of alice's entries
+    assert cached(as_tenant(tenants_server, "bob", body)) == 0
+    assert cached(as_tenant(tenants_server, "bob", {**body, "cache_salt": ""})) > 0
+    as_tenant(tenants_server, "bob", {}, "/reset_prefix_cache")  # bob's entries only
+    assert cached(as_tenant(tenants_server, "bob", body)) == 0
+    assert cached(as_tenant(tenants_server, "alice", body)) == again
+
+
+def test_a_tenant_drafts_from_its_own_outputs_only(tenants_server):
+    body = {"prompt": "Tell me the story of the tiny random model.", "max_tokens": 48,
+            "method": "suffix"}
+    forwards = {}
+    for turn, tenant in enumerate(["alice", "alice", "bob"]):
+        reply = as_tenant(tenants_server, tenant, body)
+        forwards[turn] = reply["dresd"]["num_target_forwards"]
+    assert forwards[1] < forwards[0]  # alice's second run drafts her first output
+    assert forwards[2] == forwards[0]  # bob's first run knows nothing of hers

@@ -34,7 +34,7 @@ from dresd.corpus import output_row, save_output
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.errors import MissingPackageError, UserError
 from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from dresd.serve.auth import API_KEY_ENV, exposure_warning
+from dresd.serve.auth import API_KEY_ENV, exposure_warning, read_key_file
 from dresd.serve.engine import (
     DATASTORE_METHODS,
     Engine,
@@ -84,6 +84,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        help="every request must carry `Authorization: Bearer KEY` (else 401), "
                             "but GET /health; default: $" + API_KEY_ENV + ", else none. The key "
                             "is never logged")
+    serve.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                       help="one `TENANT KEY` per line, instead of --api-key: each tenant's "
+                            "prefix cache entries, learned drafting tables and figures are its "
+                            "own (docs/serving.md, Tenants)")
     serve.add_argument("--metrics-open", action="store_true",
                        help="with an API key: GET /metrics answers without it too (for a "
                             "Prometheus scraper that holds no key)")
@@ -110,6 +114,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.api_key_file is not None:  # the keys by tenant: the app and Ray's ingress take both
+        args.api_key = read_key_file(args.api_key_file)
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     warning = exposure_warning(args.host, args.api_key)
@@ -125,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build_app(args)
     log = logging.getLogger("dresd.serve")
-    log.info("API key: %s", "none" if not args.api_key else
-             "required (but GET /health%s)" % (" and /metrics" if args.metrics_open else ""))
+    tenants = f", {len(args.api_key)} tenants" if isinstance(args.api_key, dict) else ""
+    log.info("API key: %s", "none" if not args.api_key else "required%s (but GET /health%s)" % (
+        tenants, " and /metrics" if args.metrics_open else ""))
     log.info("prefix cache: %s", engine.prefix_cache_line())
     log.info("KV cache: %.0f MB at most, %.1f KB a token", engine.max_kv_bytes / 2**20,
              engine.kv_per_token / 1024)
@@ -178,7 +185,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.max_replicas is not None and args.max_replicas < args.replicas:
         raise UserError(f"--max-replicas ({args.max_replicas}) must be >= --replicas "
                         f"({args.replicas})")
-    if args.metrics_open and not (args.api_key or os.environ.get(API_KEY_ENV)):
+    if args.api_key_file is not None and args.api_key is not None:
+        raise UserError("give --api-key or --api-key-file, not both")
+    if args.metrics_open and not (args.api_key or args.api_key_file
+                                  or os.environ.get(API_KEY_ENV)):
         raise UserError("--metrics-open needs an API key (--api-key or $" + API_KEY_ENV +
                         "): without one every path is open already")
     for folder in args.datastore:
@@ -224,7 +234,8 @@ def _build_app(args: argparse.Namespace, metrics, metrics_text):
                     budget=budget,
                     prefix_cache=None if cache_mb is None else PrefixCache(cache_mb),
                     max_kv_bytes=(default_max_kv_bytes() if args.max_kv_mb is None
-                                  else int(args.max_kv_mb * 2**20)))
+                                  else int(args.max_kv_mb * 2**20)),
+                    tenants=list(args.api_key) if isinstance(args.api_key, dict) else ())
     if args.method != "ar":
         engine.plan(args.method, None, {}, defaults)  # the default method must be servable
     app = create_app(engine, served_model_name(args), model_aliases=(args.model,),

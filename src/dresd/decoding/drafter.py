@@ -102,6 +102,11 @@ class Drafter:
         again. A UserError if an option's value is refused."""
         return dataclasses.replace(self, **options)
 
+    def for_tenant(self) -> Drafter:
+        """This drafter for another tenant of a server: the same options, sharing what it
+        opened, learning from that tenant's outputs alone (nothing it learned so far)."""
+        return self.with_options()
+
     def observe(self, prompt: Sequence[int], output: Sequence[int],
                 hidden_states: torch.Tensor | None = None) -> None:
         """Called with every finished generation (`hidden_states`: the target's last-layer

@@ -220,12 +220,12 @@ class PrefixCache:
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def _evict(self, needed: int) -> None:
-        """Drop least recently used unlocked leaves until `needed` more bytes fit (or nothing
-        more can go)."""
+    def _evict(self, needed: int, roots: list[Node] | None = None) -> None:
+        """Drop least recently used unlocked leaves (of the trees of `roots`, else of all)
+        until `needed` more bytes fit (or nothing more can go)."""
         if self.bytes + needed <= self.capacity_bytes:
             return
-        leaves = [(node.used, id(node), node) for node in self._nodes()
+        leaves = [(node.used, id(node), node) for node in self._nodes(roots)
                   if not node.children and node.locks == 0 and node.parent is not None]
         heapq.heapify(leaves)
         while leaves and self.bytes + needed > self.capacity_bytes:
@@ -245,17 +245,19 @@ class PrefixCache:
         if parent.parent is None and not parent.children and parent.locks == 0:  # empty root
             self.roots = {salt: root for salt, root in self.roots.items() if root is not parent}
 
-    def clear(self) -> int:
-        """Drop every entry no running request holds; returns the bytes freed."""
+    def clear(self, salt_prefix: str = "") -> int:
+        """Drop every entry no running request holds, of the salts that start with
+        `salt_prefix` (a tenant's: all of them by default); returns the bytes freed."""
         with self._lock:
             held = self.bytes
-            self._evict(self.capacity_bytes + 1)  # asks for more than can ever fit
+            roots = [root for salt, root in self.roots.items() if salt.startswith(salt_prefix)]
+            self._evict(self.capacity_bytes + 1, roots)  # asks for more than can ever fit
             return held - self.bytes
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _nodes(self) -> list[Node]:
-        found, stack = [], list(self.roots.values())
+    def _nodes(self, roots: list[Node] | None = None) -> list[Node]:
+        found, stack = [], list(self.roots.values() if roots is None else roots)
         while stack:
             node = stack.pop()
             found.append(node)

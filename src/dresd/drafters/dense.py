@@ -202,6 +202,10 @@ class DenseDrafter(DenseOptions, Drafter):
             variant.learned = self.learned
         return variant
 
+    def for_tenant(self) -> DenseDrafter:
+        """The same opened datastore, a learned store of its own (with `learn`)."""
+        return dataclasses.replace(self, datastore=self.store)
+
     def neighbour_drafts(self, context: DraftContext, draft_len: int) -> list[list[int]]:
         """Every kept neighbour's draft, in rank order, repeats included: the entries (of the
         datastore, and of the learned store with `learn`) whose stored first token is the bonus

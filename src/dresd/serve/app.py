@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from time import perf_counter
 
@@ -36,18 +36,21 @@ from dresd.serve.engine import (
     RequestError,
     check_context,
     request_settings,
+    tenant_salt,
 )
 from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
 
 log = logging.getLogger("dresd.serve")
 
+# `usage.prompt_tokens_details.cached_tokens` is rounded down to whole blocks of this many.
+CACHED_TOKENS_BLOCK = 16
 # How often a request waiting for its generation checks that its client is still there.
 DISCONNECT_POLL_S = 0.25
 
 
 def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] = (),
-               api_key: str | None = None, metrics_open: bool = False,
+               api_key: str | Mapping[str, str] | None = None, metrics_open: bool = False,
                metrics: ServerMetrics | None = None,
                metrics_text: Callable[[], Awaitable[str]] | None = None,
                max_body_bytes: int | None = None) -> FastAPI:
@@ -135,10 +138,11 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict:
-        """Empty the prefix cache (entries running requests hold stay until they end);
-        behind the API key like every route but /health."""
-        freed = await asyncio.to_thread(engine.clear_prefix_cache)
+    async def reset_prefix_cache(request: Request) -> dict:
+        """Empty the caller's tenant's entries of the prefix cache (every entry on a server
+        without tenants; entries running requests hold stay until they end); behind the API
+        key like every route but /health."""
+        freed = await asyncio.to_thread(engine.clear_prefix_cache, tenant_of(request))
         if engine.prefix_cache is not None:
             metrics.record_prefix_cache(engine.prefix_cache.stats)
         return {"freed_bytes": freed, "prefix_cache": engine.prefix_cache_line()}
@@ -180,12 +184,17 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         prompt_ids = await asyncio.to_thread(tokenize, body, target.tokenizer)
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         kv_bytes = engine.check_kv(len(prompt_ids), settings.max_new_tokens, body.n)
-        plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings)
-        jobs = choice_jobs(prompt_ids, plan, body.n, body.cache_salt or "", logprobs)
+        tenant = tenant_of(request)
+        plan = engine.plan(body.method, body.datastore, body.drafter_options(), settings,
+                           tenant)
+        jobs = choice_jobs(prompt_ids, plan, body.n, tenant_salt(tenant, body.cache_salt or ""),
+                           logprobs)
         for job in jobs:
             job.kv_bytes = kv_bytes
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
+        if tenant:
+            request.state.log["tenant"] = tenant
         if body.ignored_fields():  # as JSON strings: a field name cannot forge a log line
             request.state.log["ignored"] = ",".join(json.dumps(name)
                                                     for name in body.ignored_fields())
@@ -201,6 +210,11 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         return await choices.whole(kind, model_name)
 
     return app
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant whose key the request carried (auth.py), "" on a server without tenants."""
+    return getattr(request.state, "tenant", "")
 
 
 def tokenize(body: protocol.GenerationFields, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -356,9 +370,11 @@ class Choices:
     def usage(self) -> dict:
         """The prompt counted once (the choices share it), the completions summed."""
         first = self.runs[0].result
+        # in whole blocks, as vLLM counts them: a count to the token would let a client learn
+        # another's prompt (where they share a salt) one token at a time
+        cached = first.cached_tokens // CACHED_TOKENS_BLOCK * CACHED_TOKENS_BLOCK
         return protocol.usage(len(self.runs[0].job.prompt_ids),
-                              sum(len(run.result.token_ids) for run in self.runs),
-                              first.cached_tokens)
+                              sum(len(run.result.token_ids) for run in self.runs), cached)
 
     def record(self) -> None:
         for run in self.runs:

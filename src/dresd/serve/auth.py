@@ -1,5 +1,6 @@
-"""The server's API key (`dresd serve --api-key KEY`, or `DRESD_API_KEY`), as vLLM's and
-llama.cpp's servers have one.
+"""The server's API keys: one (`dresd serve --api-key KEY`, or `DRESD_API_KEY`), as vLLM's and
+llama.cpp's servers have one, or one per tenant (`--api-key-file`, `read_key_file`): a
+tenant's prefix cache entries, learned drafting tables and figures are its own (app.py).
 
 Every request must carry `Authorization: Bearer KEY`, except `GET /health` (load balancers and
 Ray Serve probe it without credentials) and, with `--metrics-open`, `GET /metrics` (for a
@@ -19,13 +20,19 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dresd.errors import UserError
 
 # Paths answered without the key: liveness probes carry no credentials.
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 API_KEY_ENV = "DRESD_API_KEY"
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -42,34 +49,71 @@ def unauthorized_body(key_given: bool) -> dict:
                       "code": "invalid_api_key"}}
 
 
+def read_key_file(path: Path) -> dict[str, str]:
+    """Tenants and their keys from `--api-key-file`: one `TENANT KEY` per line (blank lines and
+    lines starting with # skipped). A UserError names the line at fault, never the key."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read the API key file {path}: {err}") from None
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2 or not TENANT_NAME.fullmatch(fields[0]):
+            raise UserError(f"{path}:{number}: each line is `TENANT KEY` (a tenant's name of "
+                            "letters, digits, '.', '_' or '-', then its key)")
+        tenant, key = fields
+        if tenant in keys:
+            raise UserError(f"{path}:{number}: tenant {tenant!r} is named twice")
+        if key in keys.values():
+            raise UserError(f"{path}:{number}: this key is given to two tenants")
+        keys[tenant] = key
+    if not keys:
+        raise UserError(f"the API key file {path} names no tenant")
+    return keys
+
+
 class APIKeyCheck:
     """ASGI middleware: refuses (401) every HTTP request without `Authorization: Bearer KEY`,
-    but for the open paths. It sits inside the request log (a refusal gets its log line) and
-    outside everything else, so a refused request reaches no route and no body parser."""
+    but for the open paths, and notes the key's tenant in `scope["state"]["tenant"]` ("" for
+    the one key of `--api-key`). It sits inside the request log (a refusal gets its log line)
+    and outside everything else, so a refused request reaches no route and no body parser."""
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics_open: bool = False) -> None:
-        if not api_key:
-            raise ValueError("the API key is empty")
+    def __init__(self, app: ASGIApp, api_key: str | Mapping[str, str],
+                 metrics_open: bool = False) -> None:
+        """`api_key`: the one key, or each tenant's (`read_key_file`)."""
+        keys = {"": api_key} if isinstance(api_key, str) else dict(api_key)
+        if not keys or not all(keys.values()):
+            raise ValueError("an API key is empty")
         self.app = app
-        self.expected = _digest(api_key)  # the key itself is not kept
+        # the keys themselves are not kept: their digests, and each one's tenant
+        self.tenants = [(_digest(key), tenant) for tenant, key in keys.items()]
         self.open_paths = OPEN_PATHS | ({METRICS_PATH} if metrics_open else set())
 
-    def authorized(self, scope: Scope) -> tuple[bool, bool]:
-        """(authorized, a key was given)."""
+    def tenant(self, scope: Scope) -> tuple[str | None, bool]:
+        """(the key's tenant, or None where it is not authorized; a key was given). Every key
+        is compared, in constant time, so the time taken says nothing of which matched."""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 if scheme.lower() != b"bearer":
-                    return False, True
-                return hmac.compare_digest(_digest(token.strip()), self.expected), True
-        return False, False
+                    return None, True
+                given, found = _digest(token.strip()), None
+                for expected, tenant in self.tenants:
+                    if hmac.compare_digest(given, expected):
+                        found = tenant
+                return found, True
+        return None, False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        authorized, key_given = self.authorized(scope)
-        if authorized:
+        tenant, key_given = self.tenant(scope)
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
             await self.app(scope, receive, send)
             return
         log_entry = scope.get("state", {}).get("log")

@@ -26,7 +26,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,15 +166,19 @@ class Engine:
         budget: bool = True,
         prefix_cache: PrefixCache | None = None,
         max_kv_bytes: int | None = None,
+        tenants: Sequence[str] = (),
     ) -> None:
         """`max_kv_bytes`: the KV cache memory all running requests may hold together (None:
-        no bound); a request that could never fit is refused (`check_kv`)."""
+        no bound); a request that could never fit is refused (`check_kv`). `tenants`: the
+        names of `--api-key-file`'s tenants, each with drafters that learn from its own
+        outputs alone ("", no tenant: the drafters given)."""
         self.target = target
         # keys and values of prompts and answers, shared by every request (and kept when a
         # failed step replaces the batch: what it holds was committed by finished steps)
         self.prefix_cache = prefix_cache
         # (method, datastore name or None) -> the drafter built from the command line's options
         self.drafters = drafters
+        self.tenant_drafters = {tenant: tenant_copies(target, drafters) for tenant in tenants}
         self.defaults = defaults
         self.default_method = default_method
         self.datastores = datastores  # names, the first is the default
@@ -214,8 +218,10 @@ class Engine:
         datastore: str | None,
         options: dict[str, int],
         settings: GenerationSettings,
+        tenant: str = "",
     ) -> Plan:
-        """The method and drafter a request asked for, or a RequestError saying what is wrong."""
+        """The method and drafter a request asked for, or a RequestError saying what is wrong.
+        A tenant's drafter learns from that tenant's outputs only."""
         method = method or self.default_method
         if method == AR:
             if options:
@@ -246,7 +252,7 @@ class Engine:
                                f"{', '.join(self.methods)}{extra}", param="method")
         elif datastore is not None:
             raise RequestError(f"method {method} reads no datastore", param="datastore")
-        base = self.drafters[(method, store)]
+        base = self.tenant_drafters.get(tenant, self.drafters)[(method, store)]
         return Plan(method, drafter_variant(base, options), settings)
 
     # -- the queue and the worker ------------------------------------------------------------
@@ -335,9 +341,12 @@ class Engine:
         return (f"{stats.capacity_bytes / 2**20:.0f} MB, {stats.bytes / 2**20:.1f} MB held, "
                 f"hit rate {stats.hit_rate:.1%} of {stats.queries} prompt tokens")
 
-    def clear_prefix_cache(self) -> int:
-        """Empty the prefix cache (but what running requests hold); returns bytes freed."""
-        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+    def clear_prefix_cache(self, tenant: str = "") -> int:
+        """Empty the prefix cache of a tenant's entries (all of them with no tenants), but what
+        running requests hold; returns bytes freed."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.clear(tenant_salt(tenant, ""))
 
     def _work(self) -> None:
         """The worker thread: jobs through the batched loop until `stop()`. Every failure is
@@ -468,6 +477,27 @@ def default_max_kv_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
     return available // 2
+
+
+def tenant_salt(tenant: str, cache_salt: str) -> str:
+    """The prefix cache's salt of a request: its tenant's name and its own `cache_salt`, so
+    that no two tenants share an entry whatever salts they send ("": no tenants)."""
+    return f"{tenant}\x00{cache_salt}" if tenant else cache_salt
+
+
+def tenant_copies(target: Target, drafters: dict[tuple[str, str | None], Drafter]
+                  ) -> dict[tuple[str, str | None], Drafter]:
+    """A tenant's drafters: its own copy of each that learns from finished outputs (suffix,
+    hybrid, and dresd or rest with `--learn`), sharing the opened datastores; the others
+    (learning nothing) shared."""
+    copies = {}
+    for key, drafter in drafters.items():
+        if getattr(drafter, "learn", False) is False:
+            copies[key] = drafter
+            continue
+        copies[key] = drafter.for_tenant()
+        copies[key].check_target(target)
+    return copies
 
 
 def drafter_variant(base: Drafter, options: dict[str, int]) -> Drafter:
