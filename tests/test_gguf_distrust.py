@@ -283,8 +283,9 @@ def test_a_damaged_file_is_one_clear_error(outcomes, case):
 # kernel they reach aborts the child with the sanitizer's report.
 SANITIZED_TESTS = ["tests/test_kernel_linear.py", "tests/test_kernel_attention.py",
                    "tests/test_kernel_decoder.py", "tests/test_gguf_distrust.py",
-                   "tests/test_gguf.py"]
-SANITIZED_SELECTION = ("damaged_file or (not gguf_distrust and not test_gguf) or unpacked_blocks "
+                   "tests/test_gguf.py", "tests/test_datastore_distrust.py"]
+SANITIZED_SELECTION = ("damaged_file or store or (not gguf_distrust and not test_gguf) "
+                       "or unpacked_blocks "
                        "or header_states or rows_beside or fused_projections")
 
 

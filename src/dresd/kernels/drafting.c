@@ -565,6 +565,7 @@ int dresd_frequent_prefixes(int32_t *rows, int64_t m, int64_t width, int sorted,
  * against a pattern: < 0, 0 when the suffix starts with the pattern, > 0. */
 static int compare_suffix(const uint8_t *text, int64_t bytes, int64_t offset,
                           const uint8_t *pattern, int64_t length) {
+    if (offset < 0 || offset > bytes) return 1;  /* a damaged suffix array: never read */
     int64_t available = bytes - offset, n = length < available ? length : available;
     int c = memcmp(text + offset, pattern, n);
     if (c != 0) return c;
@@ -655,7 +656,7 @@ static int dresd_rest_draft(const uint8_t *text, int64_t bytes, int width,
         for (int j = 0; j < draft_len; j++) {
             int64_t position = start + j;
             uint32_t symbol = 0;
-            if (!ended && position < symbols)
+            if (!ended && position >= 0 && position < symbols)
                 for (int b = 0; b < width; b++) symbol = symbol << 8 | text[position * width + b];
             if (symbol == 0) ended = 1;
             continuations[r * draft_len + j] = (int32_t)symbol;
@@ -682,19 +683,21 @@ static int dresd_rest_draft(const uint8_t *text, int64_t bytes, int width,
  * value starts with the bonus token (its context predicted the same next token), and its draft
  * is the value's next draft_len tokens at most. Writes each kept draft as a row of
  * `draft_len` token ids + 1 followed by zeros (what `dresd_frequent_prefixes` takes); returns the
- * rows written. offsets: uint32 (offset_width 4) or int64 (8); stream: uint16 (2) or uint32 (4).
- */
+ * rows written. offsets: uint32 (offset_width 4) or int64 (8), `entries` of them; stream: uint16
+ * (2) or uint32 (4). The store's files are not trusted: an id outside the offsets, a position
+ * outside the stream is skipped, and a value never runs past the stream's end
+ * (`drafting.dense_store` checks the arrays once where they are opened). */
 int dresd_dense_drafts(const int64_t *ids, int count, const void *offsets, int offset_width,
-                       const void *stream, int token_width, int64_t stream_len,
+                       int64_t entries, const void *stream, int token_width, int64_t stream_len,
                        const int64_t *doc_starts, int64_t documents, int value_len,
                        int64_t bonus, int draft_len, int32_t *rows) {
     int kept = 0;
     for (int i = 0; i < count; i++) {
-        if (ids[i] < 0) continue;  /* FAISS pads a short result with -1 */
+        if (ids[i] < 0 || ids[i] >= entries) continue;  /* FAISS pads a short result with -1 */
         int64_t position = offset_width == 4 ? ((const uint32_t *)offsets)[ids[i]]
                                              : ((const int64_t *)offsets)[ids[i]];
         int64_t start = position + 1;
-        if (start >= stream_len) continue;
+        if (position < 0 || start >= stream_len) continue;
         /* the bonus filter first: most neighbours fail it, and need no document lookup */
         int64_t first = token_width == 2 ? ((const uint16_t *)stream)[start]
                                          : ((const uint32_t *)stream)[start];
@@ -707,6 +710,7 @@ int dresd_dense_drafts(const int64_t *ids, int count, const void *offsets, int o
         }
         int64_t end = start + value_len;
         if (end > doc_starts[a + 1]) end = doc_starts[a + 1];
+        if (end > stream_len) end = stream_len;
         int32_t *row = rows + (int64_t)kept * draft_len;
         int j = 0;
         for (int64_t at = start + 1; at < end && j < draft_len; at++, j++)
@@ -1094,6 +1098,7 @@ struct dense_plan {
     int64_t token_width, stream_len;
     const int64_t *doc_starts;
     int64_t documents, value_len;
+    int64_t entries; /* the offsets' count */
 };
 
 int dresd_dense_neighbour_rows(const struct dense_plan *plan, const void *hidden,
@@ -1110,7 +1115,7 @@ int dresd_dense_neighbour_rows(const struct dense_plan *plan, const void *hidden
                                   k, scores, found);
     if (status >= 0)
         status = dresd_dense_drafts(found, status, plan->offsets, (int)plan->offset_width,
-                                    plan->stream, (int)plan->token_width, plan->stream_len,
+                                    plan->entries, plan->stream, (int)plan->token_width, plan->stream_len,
                                     plan->doc_starts, plan->documents, (int)plan->value_len,
                                     bonus, draft_len, rows);
     free(found);

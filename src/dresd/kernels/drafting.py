@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from dresd import kernels
+from dresd.errors import DresdError
 
 SOURCE = Path(__file__).with_name("drafting.c")
 # -O3: the loops of DReSD's key (`dresd_dense_key`) vectorize; no flag that reorders a sum.
@@ -59,7 +60,7 @@ def kernel() -> ctypes.CDLL | None:
                                           pointer, i64, pointer, i32, i32, i32, i32, pointer,
                                           pointer]
     library.dresd_rest_lookup.restype = i32
-    library.dresd_dense_drafts.argtypes = [pointer, i32, pointer, i32, pointer, i32, i64,
+    library.dresd_dense_drafts.argtypes = [pointer, i32, pointer, i32, i64, pointer, i32, i64,
                                            pointer, i64, i32, i64, i32, pointer]
     library.dresd_dense_drafts.restype = i32
     library.dresd_dense_key.argtypes = [pointer, i32, i32, pointer, pointer, i32, pointer]
@@ -241,9 +242,25 @@ class RestIndex(NamedTuple):
     alphabet: int
 
 
+class DamagedStore(DresdError):
+    """A datastore's arrays that do not fit together: the kernel would read outside them."""
+
+
 def rest_index(symbols: np.ndarray, suffix_array: np.ndarray, symbol_of: np.ndarray,
                alphabet: np.ndarray) -> RestIndex:
-    """`symbols`: the index's big-endian stream; `symbol_of`: its id -> symbol table."""
+    """`symbols`: the index's big-endian stream; `symbol_of`: its id -> symbol table. The
+    arrays come from files: checked once here to fit together (every suffix inside the stream,
+    every symbol one the alphabet has), as `dresd_rest_lookup` reads them unchecked."""
+    width = symbols.dtype.itemsize
+    if len(suffix_array) and (int(suffix_array.min()) < 0
+                              or int(suffix_array.max()) > symbols.nbytes - width
+                              or np.any(suffix_array % width)):
+        raise DamagedStore(f"the sparse store's suffix array points outside its {len(symbols)}"
+                           " symbols: is the store damaged?")
+    if (len(symbols) and int(symbols.max()) > len(alphabet)) or (
+            len(symbol_of) and int(symbol_of.max()) > len(alphabet)):
+        raise DamagedStore(f"the sparse store holds symbols its alphabet of {len(alphabet)} "
+                           "has not: is the store damaged?")
     return RestIndex(address(symbols), symbols.nbytes, symbols.dtype.itemsize,
                      address(suffix_array), int(suffix_array.dtype == np.int64),
                      len(suffix_array), address(symbol_of), len(symbol_of), address(alphabet))
@@ -279,19 +296,28 @@ class DenseStore(NamedTuple):
     doc_starts: int
     documents: int
     value_len: int
+    entries: int  # the offsets' count (the ids the index may return)
 
 
 def dense_store(offsets: np.ndarray, stream: np.ndarray, doc_starts: np.ndarray,
                 value_len: int) -> DenseStore | None:
     """The store as `dense_drafts` reads it, or None where it cannot (no kernel, or dtypes
-    it does not read: offsets uint32 or int64, stream uint16 or uint32, C-contiguous)."""
+    it does not read: offsets uint32 or int64, stream uint16 or uint32, C-contiguous). The
+    arrays come from the store's files: checked once here to fit together (`DamagedStore`)."""
     if not (kernel() is not None and offsets.dtype in (np.uint32, np.int64)
             and stream.dtype in (np.uint16, np.uint32) and doc_starts.dtype == np.int64
             and all(a.flags.c_contiguous for a in (offsets, stream, doc_starts))):
         return None
+    if len(offsets) and (int(offsets.min()) < 0 or int(offsets.max()) >= len(stream)):
+        raise DamagedStore(f"the dense store's offsets point outside its stream of "
+                           f"{len(stream)} tokens: is the store damaged?")
+    if (len(doc_starts) < 2 or doc_starts[0] != 0 or doc_starts[-1] != len(stream)
+            or np.any(np.diff(doc_starts) < 0)):
+        raise DamagedStore(f"the dense store's document starts do not run from 0 to its "
+                           f"stream's {len(stream)} tokens: is the store damaged?")
     return DenseStore(address(offsets), offsets.dtype.itemsize, address(stream),
                       stream.dtype.itemsize, len(stream), address(doc_starts),
-                      len(doc_starts) - 1, value_len)
+                      len(doc_starts) - 1, value_len, len(offsets))
 
 
 def dense_drafts(ids: np.ndarray, store: DenseStore, bonus: int, draft_len: int) -> np.ndarray:
@@ -301,7 +327,7 @@ def dense_drafts(ids: np.ndarray, store: DenseStore, bonus: int, draft_len: int)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     rows = np.empty((len(ids), draft_len), dtype=np.int32)
     kept = kernel().dresd_dense_drafts(
-        address(ids), len(ids), store.offsets, store.offset_width, store.stream,
+        address(ids), len(ids), store.offsets, store.offset_width, store.entries, store.stream,
         store.token_width, store.stream_len, store.doc_starts, store.documents,
         store.value_len, bonus, draft_len, address(rows))
     return rows[:kept]
@@ -454,7 +480,8 @@ class DensePlan(ctypes.Structure):
                 ("offsets", ctypes.c_void_p), ("offset_width", ctypes.c_int64),
                 ("stream", ctypes.c_void_p), ("token_width", ctypes.c_int64),
                 ("stream_len", ctypes.c_int64), ("doc_starts", ctypes.c_void_p),
-                ("documents", ctypes.c_int64), ("value_len", ctypes.c_int64)]
+                ("documents", ctypes.c_int64), ("value_len", ctypes.c_int64),
+                ("entries", ctypes.c_int64)]
 
 
 def dense_plan(weights: KeyWeights, lists: IvfLists, nprobe: int, store: DenseStore
@@ -467,7 +494,7 @@ def dense_plan(weights: KeyWeights, lists: IvfLists, nprobe: int, store: DenseSt
                      lists.centroid_blocks, lists.nlist, nprobe, int(lists.by_residual),
                      lists.max_norm, lists.codes, lists.ids, lists.sizes, store.offsets,
                      store.offset_width, store.stream, store.token_width, store.stream_len,
-                     store.doc_starts, store.documents, store.value_len)
+                     store.doc_starts, store.documents, store.value_len, store.entries)
     plan.arrays = lists.arrays
     return plan, ctypes.addressof(plan)
 
