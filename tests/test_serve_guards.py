@@ -283,11 +283,16 @@ def test_a_dead_worker_fails_every_request_and_ends_the_process(tiny_folder, tmp
                 break
             assert time.monotonic() - started < 1.0, "/health still 200 a second later"
             time.sleep(0.02)
+        unhealthy_after = time.monotonic() - started
         for thread in waiting:
             thread.join(timeout=30)
             assert not thread.is_alive(), "a request was left hanging"
+        answered_after = time.monotonic() - started
         assert len(replies) == 6 and all(status == 503 for status, _ in replies), replies
         assert doomed.process.wait(timeout=30) == WORKER_DIED_EXIT
+        print(f"worker killed: /health 503 after {unhealthy_after:.3f} s, all 6 requests "
+              f"answered 503 after {answered_after:.3f} s, exit {WORKER_DIED_EXIT} after "
+              f"{time.monotonic() - started:.3f} s")
     assert "InjectedDeath" in doomed.log()
 
 

@@ -132,15 +132,17 @@ def run(args: argparse.Namespace) -> int:
     app, engine = build_app(args)
     log = logging.getLogger("dresd.serve")
     tenants = f", {len(args.api_key)} tenants" if isinstance(args.api_key, dict) else ""
-    log.info("API key: %s", "none" if not args.api_key else "required%s (but GET /health%s)" % (
-        tenants, " and /metrics" if args.metrics_open else ""))
+    open_paths = " and /metrics" if args.metrics_open else ""
+    log.info("API key: %s", f"required{tenants} (but GET /health{open_paths})" if args.api_key
+             else "none")
     log.info("prefix cache: %s", engine.prefix_cache_line())
     log.info("KV cache: %.0f MB at most, %.1f KB a token", engine.max_kv_bytes / 2**20,
              engine.kv_per_token / 1024)
     # uvicorn's own access log is off: RequestLog writes one line per request instead.
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        limit_concurrency=max_connections(args)))
     # A worker that died takes the process with it (after every waiting request has had its
     # 503): a server that cannot generate must not look alive to its supervisor. uvicorn
     # polls the flag, and stops as it does on Ctrl-C.
@@ -151,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return WORKER_DIED_EXIT
     return 0
+
+
+def max_connections(args: argparse.Namespace) -> int:
+    """Open connections uvicorn holds at most (past them it answers 503 at once): twice what
+    the batch and the queue can take, room for probes and clients that are refused anyway."""
+    return 2 * (args.max_batch_size + args.max_queue) + 32
 
 
 def check_args(args: argparse.Namespace) -> None:
