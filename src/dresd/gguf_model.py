@@ -226,7 +226,7 @@ def _walk_header(cursor: _Cursor) -> list[TensorInfo]:
     path = cursor.path
     cursor.take(4, "the magic")
     if bytes(cursor.data[0:4]) != b"GGUF":
-        raise GGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF').")
+        raise GGUFError(f"{path} is not a readable GGUF file (it does not start with 'GGUF').")
     version = cursor.number("I", "the version")
     if version not in (2, 3):
         raise GGUFError(f"{path}: GGUF version {version}; dresd reads versions 2 and 3.")
