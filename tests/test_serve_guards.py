@@ -355,3 +355,23 @@ def test_a_tenant_drafts_from_its_own_outputs_only(tenants_server):
         forwards[turn] = reply["dresd"]["num_target_forwards"]
     assert forwards[1] < forwards[0]  # alice's second run drafts her first output
     assert forwards[2] == forwards[0]  # bob's first run knows nothing of hers
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("response_format", {"type": "json_object"}),
+    ("prediction", {"type": "content", "content": "Hello"}),
+    ("logit_bias", {"42": 5}),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("min_p", 0.1),
+    ("best_of", 3),
+])
+def test_a_field_not_honoured_is_refused_not_dropped(server, field, value):
+    status, reply = post(server, {"prompt": "Hello", "max_tokens": 2, field: value})
+    assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_fields_at_values_that_ask_nothing_are_served(server):
+    assert completion(server, "Hello", presence_penalty=0, frequency_penalty=0.0,
+                      logit_bias={}, tool_choice="none", best_of=1, user="u-1") is not None

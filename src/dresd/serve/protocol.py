@@ -22,6 +22,16 @@ from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
+# Fields of OpenAI's API (and vLLM's, llama-server's) that this server does not honour yet. A
+# client that sends one expects its effect (a tool call, a JSON object, a penalty): each is
+# refused with a 400 naming it, unless its value is the one that changes nothing (clients
+# such as LangChain send `presence_penalty: 0` and `logit_bias: {}` with every request).
+NOT_HONOURED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                "response_format", "prediction", "logit_bias", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "min_p", "best_of", "suffix",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs", "grammar", "json_schema", "chat_template_kwargs",
+                "reasoning_effort", "modalities", "audio", "web_search_options")
 
 
 class StreamOptions(BaseModel):
@@ -73,13 +83,29 @@ class GenerationFields(BaseModel):
         """Refuse what this server does not do, rather than silently do something else."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise RequestError(f"n must be from 1 to {MAX_CHOICES}", param="n")
+        extra = self.model_extra or {}
+        for name in NOT_HONOURED:
+            if name in extra and not changes_nothing(name, extra[name]):
+                raise RequestError(f"{name} is not supported by this server yet; send the "
+                                   "request without it", param=name)
 
     def ignored_fields(self) -> list[str]:
+        """Unknown fields (not OpenAI's, nor dresd's), and the ones above at a value that
+        changes nothing."""
         return sorted(self.model_extra or {})
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token to report (0: the chosen token's logprob only), or None."""
         raise NotImplementedError
+
+
+# The values of NOT_HONOURED fields that ask for nothing: these, and null, false, 0, "", {}, [].
+NEUTRAL_VALUES = {"best_of": 1, "repetition_penalty": 1, "tool_choice": "none"}
+
+
+def changes_nothing(name: str, value: object) -> bool:
+    """Whether a field at this value asks for nothing this server would have to do."""
+    return value in (None, False, 0, "", {}, []) or value == NEUTRAL_VALUES.get(name)
 
 
 def _alternatives(value: object, param: str) -> int:
