@@ -49,6 +49,7 @@ from dresd.decoding.budget import (
     batch_budget,
     restrict,
 )
+from dresd.decoding.constraint import Constraint, TreeMasks, constrain_drafts, forced_nodes
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import (
     LlamaForward,
@@ -98,6 +99,8 @@ class Request:
     # Another request with the same prompt (a sibling of `n` > 1): this one's prefill waits
     # until that one's prompt is in the prefix cache, then reads all but its last token there.
     prefill_after: Running | None = None
+    # A grammar the output must follow (`constraint.py`): this sequence's own state of it.
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Running:
     error: Exception | None = None  # what ended it, where its drafter failed
     looked_up: bool = False  # whether the prefix cache was asked for its prompt
     hold: Hit | None = None  # its lock on the prefix cache's entries of its own tokens
+    forced: set[int] = field(default_factory=set)  # tree nodes its grammar forces (kept)
 
     @property
     def prompt_len(self) -> int:
@@ -389,10 +393,19 @@ class BatchEngine:
             context = DraftContext(state.context[: state.n], state.query, max_draft_len,
                                    decoding, *self.last_step_output)
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
+        root = int(state.context[state.n - 1])
+        forced: list[int] = []
+        if request.constraint is not None and max_draft_len > 0:
+            # what the grammar forbids, cut; what it forces, drafted first (constraint.py)
+            forced, drafts = constrain_drafts(request.constraint, drafts, max_draft_len)
         if not self.tree_attention:
-            drafts = drafts[:1]  # a causal mask can only verify one linear draft
-        state.tree = state.drafted_tree = DraftTree.from_drafts(int(state.context[state.n - 1]),
-                                                                drafts)
+            drafts = ([forced] if forced else drafts)[:1]  # a causal mask: one linear draft
+            forced = []
+        # the drafter's own tree is what its acceptance estimates learn from
+        state.drafted_tree = DraftTree.from_drafts(root, drafts)
+        state.tree = DraftTree.from_drafts(root, [forced, *drafts]) if forced else (
+            state.drafted_tree)
+        state.forced = forced_nodes(state.tree, forced)
         state.draft_seconds = clock(self.device) - started
 
     def _fit_budget(self, decoding: list[Running], chunk_rows: int) -> None:
@@ -409,6 +422,7 @@ class BatchEngine:
                    for state in trimmed]
         for state, kept in zip(trimmed, batch_budget(reaches, fixed, len(decoding), self.cost),
                                strict=True):
+            kept = set(kept) | state.forced  # certain tokens: always worth their rows
             if len(kept) < len(state.tree) - 1:
                 state.tree = restrict(state.tree, kept)
 
@@ -421,21 +435,27 @@ class BatchEngine:
                        top2=state.request.record_top2)
 
     def _choose(self, state: Running, output: SegmentOutput) -> int:
-        """The token after the output's last logits row."""
-        sampling = state.request.sampling
+        """The token after the output's last logits row (among those its grammar allows)."""
+        sampling, constraint = state.request.sampling, state.request.constraint
+        masks = None if constraint is None else TreeMasks(
+            constraint, DraftTree.from_drafts(int(state.context[state.n - 1]), []))
         if sampling is None:
-            return output.greedy[-1]
-        return sample(next_token_probs(output.logits[-1], sampling), state.generator)
+            token = output.greedy[-1]
+            return token if masks is None else masks.greedy(0, token, output.logits[-1])
+        logits = output.logits[-1] if masks is None else masks.masked(0, output.logits[-1])
+        return sample(next_token_probs(logits, sampling), state.generator)
 
     def _accept(self, state: Running, segment: Segment, output: SegmentOutput,
                 forward_started: float) -> list[int]:
-        tree = state.tree
-        # 3b. The longest path the target agrees with, plus its own next token.
+        tree, constraint = state.tree, state.request.constraint
+        # 3b. The longest path the target agrees with, plus its own next token (each chosen
+        #     among the tokens the grammar allows at its node, where there is one).
+        masks = None if constraint is None else TreeMasks(constraint, tree)
         if state.request.sampling is None:
-            path, bonus = greedy_accept(tree, output.greedy)
+            path, bonus = greedy_accept(tree, output.greedy, masks, output.logits)
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
-                                          state.generator)
+                                          state.generator, masks)
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         # every node drafted, cut or not, whose parent the emitted tokens reach is a trial: the
         # budget's cut does not keep the estimates from learning the nodes it cut
@@ -484,6 +504,8 @@ class BatchEngine:
             result.stop_reason = state.stopping.reason(result.token_ids) or ""
             if result.stop_reason:
                 break
+        if request.constraint is not None:  # its grammar's state moves with what it emitted
+            request.constraint.commit(result.token_ids[first:])
         max_length = request.max_length or state.prompt_len + request.max_new_tokens
         if not result.stop_reason and state.n >= max_length:
             result.stop_reason = "max_length"

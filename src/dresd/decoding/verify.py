@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dresd.decoding.constraint import TreeMasks
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 
@@ -73,12 +74,16 @@ def classify_divergence(
     return "near_tie" if top - second <= near_tie_tolerance(dtype, top) else "unexplained"
 
 
-def greedy_accept(tree: DraftTree, predicted: Sequence[int]) -> tuple[list[int], int]:
+def greedy_accept(tree: DraftTree, predicted: Sequence[int], masks: TreeMasks | None = None,
+                  logits: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Return (accepted path of node indices starting at the root, bonus token), given the
-    target's argmax at every node (`SegmentOutput.greedy`)."""
+    target's argmax at every node (`SegmentOutput.greedy`); under a grammar (`masks`), the
+    argmax among the tokens it allows there (from the node's `logits` row where it differs)."""
     path = [0]
     while True:
         token = predicted[path[-1]]
+        if masks is not None:
+            token = masks.greedy(path[-1], token, logits[path[-1]])
         child = tree.children[path[-1]].get(token)
         if child is None:
             return path, token
@@ -86,12 +91,15 @@ def greedy_accept(tree: DraftTree, predicted: Sequence[int]) -> tuple[list[int],
 
 
 def sampling_accept(
-    tree: DraftTree, logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator,
+    masks: TreeMasks | None = None,
 ) -> tuple[list[int], int]:
-    """Return (accepted path of node indices starting at the root, bonus token), sampling."""
+    """Return (accepted path of node indices starting at the root, bonus token), sampling;
+    under a grammar (`masks`) from each node's distribution over the tokens it allows."""
     path = [0]
     while True:
-        token = sample(next_token_probs(logits[path[-1]], config), generator)
+        row = logits[path[-1]] if masks is None else masks.masked(path[-1], logits[path[-1]])
+        token = sample(next_token_probs(row, config), generator)
         child = tree.children[path[-1]].get(token)
         if child is None:
             return path, token

@@ -1,0 +1,218 @@
+"""Grammar constraints (a JSON schema, a regex, a choice, a Lark grammar) on a generation,
+exact under speculation, with the grammar's forced tokens drafted for free.
+
+The grammar engine is llguidance (the one llama.cpp and vLLM use): a `Grammar` is compiled
+once per request; each sequence holds a `Constraint`, its matcher at the state after every
+token emitted so far. A grammar changes what is allowed, never what is chosen among the
+allowed, so constrained decoding is the model's own decoding over the allowed tokens:
+
+    greedy:   the allowed token with the largest logit;
+    sampling: p(x) = softmax over the allowed tokens (then temperature, top-k, top-p).
+
+Under speculation every tree node has its own state: the grammar after the tokens on its path
+from the root. So (`TreeMasks`):
+
+1. a drafted token the grammar forbids is cut before the forward, with everything after it
+   (`allowed_prefix`): it costs no row;
+2. where the grammar allows one continuation only (a key, a bracket, a fixed string), those
+   tokens (`forced`) enter the tree as a draft: each is the only allowed token at its node, so
+   it is always accepted, by greedy and by sampling alike;
+3. at each node the walk reaches, the target's token is chosen among the tokens that node's
+   state allows: its argmax, where the grammar allows it (a check of one token), else the
+   argmax of its logits masked to the allowed set; under sampling, a sample of its masked
+   distribution. The walk is then plain decoding's choice at every emitted position, so the
+   output is token for token constrained `ar`'s (greedy), and its distribution (sampling).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dresd.decoding.tree import DraftTree
+from dresd.errors import MissingPackageError, UserError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+# JSON as Python's json.dumps writes it: `, ` and `: `, no other whitespace. What models write
+# most often, and it leaves the grammar one way to go after a value (the next key, a bracket):
+# those tokens are forced, so they are drafted for free. A schema's "x-guidance" overrides it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(UserError):
+    """A grammar the engine cannot compile (a bad schema, regex or Lark text)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as err:
+        raise MissingPackageError(f"grammar constraints need llguidance ({err}); install it "
+                                  "with pip install llguidance") from None
+    return llguidance
+
+
+@functools.lru_cache(maxsize=8)
+def _engine_tokenizer(tokenizer: PreTrainedTokenizerBase):
+    """llguidance's view of the tokenizer: built once per tokenizer (about a second)."""
+    return _llguidance().hf.from_tokenizer(tokenizer)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar for one tokenizer; `start()` gives a sequence its own state."""
+
+    tokenizer: PreTrainedTokenizerBase
+    text: str  # llguidance's grammar, as `grammar_from_*` wrote it
+    vocab_size: int  # the model's logits width (at least the tokenizer's)
+
+    @classmethod
+    def compile(cls, kind: str, spec: object, tokenizer: PreTrainedTokenizerBase,
+                vocab_size: int) -> Grammar:
+        """`kind`: `json_schema` (spec: a schema, a dict or its JSON text), `json_object`
+        (any JSON object), `regex`, `choice` (a list of strings: exactly one of them), `lark`.
+        A GrammarError names what is wrong with the spec."""
+        matcher_class = _llguidance().LLMatcher
+        try:
+            if kind in ("json_schema", "json_object"):
+                schema = spec if kind == "json_schema" else {"type": "object"}
+                text = matcher_class.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+            elif kind == "regex":
+                text = matcher_class.grammar_from_regex(str(spec))
+            elif kind == "choice":
+                if not isinstance(spec, list) or not spec or not all(
+                        isinstance(s, str) for s in spec):
+                    raise GrammarError("a choice is a non-empty list of strings")
+                text = matcher_class.grammar_from_regex(
+                    "|".join(_regex_literal(choice) for choice in spec))
+            elif kind == "lark":
+                text = matcher_class.grammar_from_lark(str(spec))
+            else:
+                raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
+        except (ValueError, TypeError) as err:
+            raise GrammarError(f"the {kind} cannot be compiled: {err}") from None
+        problem = matcher_class.validate_grammar(text, _engine_tokenizer(tokenizer))
+        if problem:  # "" where it is valid
+            raise GrammarError(f"the {kind} cannot be compiled: {problem}")
+        return cls(tokenizer, text, vocab_size)
+
+    def start(self) -> Constraint:
+        """A sequence's constraint, at the grammar's start (no token emitted yet)."""
+        engine = _llguidance()
+        matcher = engine.LLMatcher(_engine_tokenizer(self.tokenizer), self.text)
+        if matcher.is_error():
+            raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex that matches exactly it (llguidance's regex syntax is Rust's)."""
+    return "(" + "".join("\\" + c if c in r"\.+*?()|[]{}^$#&-~" else c for c in text) + ")"
+
+
+class Constraint:
+    """One sequence's grammar state, after every token it emitted (`commit`)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, emitted next, the grammar allows in a row."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone from here (none where it allows a choice)."""
+        return list(self.matcher.compute_ff_tokens())
+
+    def mask_after(self, tokens: list[int]) -> torch.Tensor:
+        """bool [vocab_size]: the tokens allowed after `tokens` (themselves allowed)."""
+        if tokens and not self.matcher.consume_tokens(list(tokens)):
+            raise RuntimeError(f"the grammar refused a path it had allowed: {tokens}")
+        try:
+            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        finally:
+            if tokens:
+                self.matcher.rollback(len(tokens))
+        allowed = np.zeros(self.vocab_size, dtype=bool)
+        width = min(self.vocab_size, bits.size * 8)
+        allowed[:width] = np.unpackbits(bits, bitorder="little")[:width]
+        return torch.from_numpy(allowed)
+
+    def commit(self, tokens: list[int]) -> None:
+        """The tokens the sequence emitted (each one the grammar allowed)."""
+        for token in tokens:
+            if self.matcher.is_stopped():  # the end of text that completed it: nothing to add
+                return
+            if not self.matcher.consume_token(int(token)):
+                raise RuntimeError(f"the grammar refused an emitted token ({token}): "
+                                   f"{self.matcher.get_error()}")
+
+
+def constrain_drafts(constraint: Constraint, drafts: list[list[int]],
+                     max_len: int) -> tuple[list[int], list[list[int]]]:
+    """(the grammar's forced tokens, at most `max_len` of them (step 2 above); the drafts cut
+    where the grammar forbids a token (step 1), the empty ones left out)."""
+    kept = [draft[:constraint.allowed_prefix(draft)] for draft in drafts]
+    return constraint.forced()[:max_len], [draft for draft in kept if draft]
+
+
+def forced_nodes(tree: DraftTree, forced: list[int]) -> set[int]:
+    """The tree's nodes of the forced draft: the budget never cuts them (always accepted)."""
+    nodes, node = set(), 0
+    for token in forced:
+        node = tree.children[node].get(token, -1)
+        if node < 0:
+            break
+        nodes.add(node)
+    return nodes
+
+
+class TreeMasks:
+    """What the grammar allows at each node of a tree (step 3 above), computed as the walk
+    asks: a one-token check where the target's argmax is allowed, the node's whole mask
+    where it is not (or to sample)."""
+
+    def __init__(self, constraint: Constraint, tree: DraftTree) -> None:
+        self.constraint = constraint
+        self.tree = tree
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def _path_tokens(self, node: int) -> list[int]:
+        return [self.tree.tokens[i] for i in self.tree.path_to(node)[1:]]
+
+    def allows(self, node: int, token: int) -> bool:
+        path = self._path_tokens(node)
+        return self.constraint.allowed_prefix([*path, token]) == len(path) + 1
+
+    def mask(self, node: int) -> torch.Tensor:
+        if node not in self._masks:
+            self._masks[node] = self.constraint.mask_after(self._path_tokens(node))
+        return self._masks[node]
+
+    def masked(self, node: int, logits: torch.Tensor) -> torch.Tensor:
+        """A node's logits row with every token the grammar forbids there at -inf."""
+        mask = self.mask(node).to(logits.device)
+        return logits.float().masked_fill(~mask[: logits.shape[-1]], float("-inf"))
+
+    def greedy(self, node: int, argmax: int, logits: torch.Tensor) -> int:
+        """The allowed token with the largest logit at `node` (`argmax`: the unmasked one)."""
+        if self.allows(node, argmax):
+            return argmax
+        return int(self.masked(node, logits).argmax())
+
+
+def response_grammar(kind: str, spec: object) -> tuple[str, object]:
+    """(kind, spec) from a JSON schema given as text or a dict, for `Grammar.compile`."""
+    if kind == "json_schema" and isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as err:
+            raise GrammarError(f"the JSON schema is not JSON: {err}") from None
+    return kind, spec
