@@ -19,6 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pydantic
 import pytest
 
 from dresd.corpus import CorpusSpec
@@ -270,6 +271,47 @@ def test_every_method_is_lossless(client, default_references, method):
     reply = chat(client, QUESTIONS[2], extra_body={"method": method})
     assert reply.choices[0].message.content == reference(default_references, QUESTIONS[2])
     assert reply.model_extra["dresd"]["method"] == method
+
+
+class Sum(pydantic.BaseModel):
+    """The structured answer the client asks for (openai's `parse` turns it into a schema)."""
+
+    a: int
+    b: int
+    total: int
+
+
+def test_structured_output_is_the_same_object_for_every_method(client):
+    """`response_format` with a schema: the reply parses into the model, and every method
+    gives `ar`'s reply under the grammar (greedy), its forced keys drafted for free."""
+    replies = {}
+    for method in ["ar", "pld", "suffix", "hybrid", "dresd"]:
+        reply = client.chat.completions.parse(
+            model="SmolLM2-135M-Instruct", response_format=Sum, max_tokens=40,
+            messages=[{"role": "user", "content": QUESTIONS[1] + " Answer in JSON."}],
+            extra_body={"method": method})
+        replies[method] = reply.choices[0].message.content
+        if reply.choices[0].finish_reason == "stop":
+            assert isinstance(reply.choices[0].message.parsed, Sum)
+    assert len(set(replies.values())) == 1, replies
+    assert replies["ar"].startswith('{"a": ')
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"guided_regex": "[0-9]{1,3}"}, lambda text: text.isdigit() and len(text) <= 3),
+    ({"response_format": {"type": "json_object"}}, lambda text: text.startswith("{")),
+    ({"grammar": 'root ::= "seven" | "eight"'}, lambda text: text in ("seven", "eight")),
+])
+def test_extensions_of_vllm_and_llama_server_constrain_too(client, extra, check):
+    reply = chat(client, QUESTIONS[5], extra_body={"method": "pld", **extra})
+    assert check(reply.choices[0].message.content), reply.choices[0].message.content
+
+
+def test_a_bad_grammar_is_a_400_naming_its_field(client):
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled") as refused:
+        chat(client, QUESTIONS[5], extra_body={"guided_regex": "(unclosed"})
+    assert refused.value.body["param"] == "guided_regex"
 
 
 def test_hybrid_reads_a_datastore_when_asked(client, default_references):

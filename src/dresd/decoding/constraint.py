@@ -37,7 +37,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.decoding.tree import DraftTree
 from dresd.errors import MissingPackageError, UserError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "grammar")
 # JSON as Python's json.dumps writes it: `, ` and `: `, no other whitespace. What models write
 # most often, and it leaves the grammar one way to go after a value (the next key, a bracket):
 # those tokens are forced, so they are drafted for free. A schema's "x-guidance" overrides it.
@@ -76,12 +76,15 @@ class Grammar:
     def compile(cls, kind: str, spec: object, tokenizer: PreTrainedTokenizerBase,
                 vocab_size: int) -> Grammar:
         """`kind`: `json_schema` (spec: a schema, a dict or its JSON text), `json_object`
-        (any JSON object), `regex`, `choice` (a list of strings: exactly one of them), `lark`.
-        A GrammarError names what is wrong with the spec."""
+        (any JSON object), `regex`, `choice` (a list of strings: exactly one of them), `lark`,
+        `grammar` (Lark, or llama.cpp's GBNF). A GrammarError names what is
+        wrong with the spec."""
         matcher_class = _llguidance().LLMatcher
         try:
             if kind in ("json_schema", "json_object"):
                 schema = spec if kind == "json_schema" else {"type": "object"}
+                if isinstance(schema, str):  # a schema as JSON text (vLLM's guided_json)
+                    schema = json.loads(schema)
                 text = matcher_class.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
             elif kind == "regex":
                 text = matcher_class.grammar_from_regex(str(spec))
@@ -91,8 +94,13 @@ class Grammar:
                     raise GrammarError("a choice is a non-empty list of strings")
                 text = matcher_class.grammar_from_regex(
                     "|".join(_regex_literal(choice) for choice in spec))
-            elif kind == "lark":
-                text = matcher_class.grammar_from_lark(str(spec))
+            elif kind in ("lark", "grammar"):
+                lark = str(spec)
+                if kind == "grammar":
+                    from llguidance.gbnf_to_lark import any_to_lark  # GBNF, or Lark as it is
+
+                    lark = any_to_lark(lark)
+                text = matcher_class.grammar_from_lark(lark)
             else:
                 raise GrammarError(f"unknown grammar kind {kind!r}; one of {', '.join(KINDS)}")
         except (ValueError, TypeError) as err:
@@ -208,11 +216,3 @@ class TreeMasks:
         return int(self.masked(node, logits).argmax())
 
 
-def response_grammar(kind: str, spec: object) -> tuple[str, object]:
-    """(kind, spec) from a JSON schema given as text or a dict, for `Grammar.compile`."""
-    if kind == "json_schema" and isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except ValueError as err:
-            raise GrammarError(f"the JSON schema is not JSON: {err}") from None
-    return kind, spec

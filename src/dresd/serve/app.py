@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.decoding.constraint import Grammar, GrammarError
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
@@ -180,8 +181,10 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                     body.top_k, body.seed, body.stop_strings())
         logprobs = body.logprobs_wanted()
         engine.check_room(body.n)  # a full queue costs no tokenization
-        # Off the event loop: a long prompt's tokenization must not hold other requests
+        # Off the event loop: a long prompt's tokenization, or a large schema's compilation,
+        # must not hold other requests
         prompt_ids = await asyncio.to_thread(tokenize, body, target.tokenizer)
+        grammar = await asyncio.to_thread(request_grammar, body, target)
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         kv_bytes = engine.check_kv(len(prompt_ids), settings.max_new_tokens, body.n)
         tenant = tenant_of(request)
@@ -190,7 +193,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         jobs = choice_jobs(prompt_ids, plan, body.n, tenant_salt(tenant, body.cache_salt or ""),
                            logprobs)
         for job in jobs:
-            job.kv_bytes = kv_bytes
+            job.kv_bytes, job.grammar = kv_bytes, grammar
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if tenant:
@@ -210,6 +213,21 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         return await choices.whole(kind, model_name)
 
     return app
+
+
+def request_grammar(body: protocol.GenerationFields, target) -> Grammar | None:
+    """The grammar the request's output must follow (`response_format` or the like), compiled
+    for the model's tokenizer; a grammar that does not compile is a 400 naming its field."""
+    spec = body.grammar_spec()
+    if spec is None:
+        return None
+    field = next(name for name in protocol.GRAMMAR_FIELDS if getattr(body, name) is not None)
+    config = target.model.config
+    vocab_size = (getattr(config, "text_config", None) or config).vocab_size
+    try:
+        return Grammar.compile(*spec, target.tokenizer, vocab_size)
+    except GrammarError as err:
+        raise RequestError(str(err), param=field) from None
 
 
 def tenant_of(request: Request) -> str:

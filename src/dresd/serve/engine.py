@@ -37,6 +37,7 @@ from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import kinds
 from dresd.decoding.batch import BatchEngine, Request, Running
 from dresd.decoding.budget import CostCurve
+from dresd.decoding.constraint import Grammar
 from dresd.decoding.kv_cache import INITIAL_CAPACITY
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.decoding.sampling import sampling_or_greedy
@@ -131,6 +132,7 @@ class Job:
         self.events: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self.cancelled = threading.Event()
         self.kv_bytes = 0  # the KV cache it may hold (`Engine.kv_need`)
+        self.grammar: Grammar | None = None  # what its output must follow
 
     def post(self, kind: str, payload: object) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -327,7 +329,8 @@ class Engine:
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,
                             cache_salt=job.cache_salt, logprobs=job.logprobs,
-                            prefill_after=sibling)
+                            prefill_after=sibling,
+                            constraint=job.grammar.start() if job.grammar else None)
 
     def batch(self) -> BatchEngine:
         return BatchEngine(self.target.model, max_batch_size=self.max_batch_size,

@@ -27,11 +27,14 @@ MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
 # refused with a 400 naming it, unless its value is the one that changes nothing (clients
 # such as LangChain send `presence_penalty: 0` and `logit_bias: {}` with every request).
 NOT_HONOURED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                "response_format", "prediction", "logit_bias", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "min_p", "best_of", "suffix",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "structured_outputs", "grammar", "json_schema", "chat_template_kwargs",
+                "prediction", "logit_bias", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "min_p", "best_of", "suffix", "chat_template_kwargs",
                 "reasoning_effort", "modalities", "audio", "web_search_options")
+# Where a request asks for structured output, by the API that named it: OpenAI's
+# `response_format`, vLLM's `guided_*` and `structured_outputs`, llama-server's `json_schema`
+# and `grammar` (GBNF). A request may use one.
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "structured_outputs", "json_schema", "grammar")
 
 
 class StreamOptions(BaseModel):
@@ -57,6 +60,15 @@ class GenerationFields(BaseModel):
     logprobs: Any = None  # chat: true / false; completions: how many alternatives (int)
     top_logprobs: int | None = None  # chat: alternatives per token, with logprobs true
     cache_salt: str | None = None  # prefix cache entries shared only within one salt
+    # structured output (`grammar_spec`): OpenAI's, vLLM's and llama-server's names
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
+    json_schema: dict | None = None
+    grammar: str | None = None
     # dresd's own, from the request body
     method: str | None = None
     datastore: str | None = None
@@ -89,6 +101,31 @@ class GenerationFields(BaseModel):
                 raise RequestError(f"{name} is not supported by this server yet; send the "
                                    "request without it", param=name)
 
+    def grammar_spec(self) -> tuple[str, object] | None:
+        """(kind, spec) for `constraint.Grammar.compile`, or None: what the output must
+        follow, from whichever field the request used to say it."""
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise RequestError(f"give one of {', '.join(given)}, not several", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        value = getattr(self, name)
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":  # vLLM's newer form: {"json": ...} or the like
+            kinds = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar"}
+            chosen = [key for key in kinds if value.get(key) is not None]
+            if len(chosen) != 1:
+                raise RequestError("structured_outputs takes one of json, regex, choice, "
+                                   "grammar", param=name)
+            name, value = f"guided_{chosen[0]}", value[chosen[0]]
+        kind = {"guided_json": "json_schema", "json_schema": "json_schema",
+                "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar", "grammar": "grammar"}[name]
+        return kind, value
+
     def ignored_fields(self) -> list[str]:
         """Unknown fields (not OpenAI's, nor dresd's), and the ones above at a value that
         changes nothing."""
@@ -106,6 +143,24 @@ NEUTRAL_VALUES = {"best_of": 1, "repetition_penalty": 1, "tool_choice": "none"}
 def changes_nothing(name: str, value: object) -> bool:
     """Whether a field at this value asks for nothing this server would have to do."""
     return value in (None, False, 0, "", {}, []) or value == NEUTRAL_VALUES.get(name)
+
+
+def _response_format(value: dict) -> tuple[str, object] | None:
+    """OpenAI's `response_format`: `{"type": "text"}`, `{"type": "json_object"}` or
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", None
+    if kind == "json_schema":
+        described = value.get("json_schema")
+        if not isinstance(described, dict) or not isinstance(described.get("schema", {}), dict):
+            raise RequestError("response_format.json_schema must be an object with a `schema`",
+                               param="response_format")
+        return "json_schema", described.get("schema", {})
+    raise RequestError("response_format.type must be text, json_object or json_schema",
+                       param="response_format")
 
 
 def _alternatives(value: object, param: str) -> int:
