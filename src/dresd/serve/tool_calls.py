@@ -404,7 +404,8 @@ class ToolCallFormat:
     def parse(self, text: str, call_id: Callable[[], str] = new_call_id,
               ) -> tuple[str | None, list[dict]]:
         """A whole output: (content, OpenAI tool calls). Content is the text outside the valid
-        calls, less the whitespace next to them; None when there are calls and nothing else.
+        calls, less the whitespace that only set it apart from them ("Sure.\n<tool_call>...":
+        "Sure."); None when there are calls and nothing else.
         A malformed call stays in the content, as written; this never raises on any text."""
         stream = self.stream(call_id)
         return join_deltas([*stream.feed(text), *stream.finish()])
@@ -585,8 +586,8 @@ class ToolCallStream:
     {"name", "arguments": ""}}]}` then `{"tool_calls": [{"index", "function": {"arguments"}}]}`.
 
     Held back until the next piece decides: the end of the text that could begin a start
-    marker, a call until its end marker (or the end of the output), and whitespace (dropped
-    where a call follows it, as after a call). `called` says whether any call was emitted
+    marker, a call until its end marker (or the end of the output), and trailing whitespace
+    (dropped where a call follows it). `called` says whether any call was emitted
     (finish_reason "tool_calls")."""
 
     def __init__(self, fmt: ToolCallFormat, call_id: Callable[[], str] = new_call_id) -> None:
@@ -615,7 +616,7 @@ class ToolCallStream:
         its text is one, else content)."""
         out: list[dict] = []
         self._advance(out, final=True)
-        if self._whitespace:
+        if self._whitespace and not self._after_call:
             out.append({"content": self._whitespace})
             self._whitespace = ""
         return _merge_content(out)
@@ -670,19 +671,19 @@ class ToolCallStream:
         self._after_call = True
 
     def _content(self, text: str, out: list[dict], raw: bool = False) -> None:
-        """Content out, less the whitespace after a call and the trailing whitespace (held:
-        a call may follow it). `raw`: a region that was no call, only ever content."""
-        if self._after_call:
+        """Content out. Its trailing whitespace is held (dropped if a call follows it, or if
+        it follows the last call and ends the output); whitespace after a call that opens the
+        output is dropped. `raw`: a region that was no call, only ever content."""
+        if self._after_call and not self._content_seen:
             text = text.lstrip()
         if not text:
             return
-        self._after_call = False
         text = self._whitespace + text
         kept = text.rstrip()
         self._whitespace = text[len(kept):]
         if kept:
             out.append({"content": kept})
-            self._content_seen = True
+            self._content_seen, self._after_call = True, False
 
 
 def _merge_content(deltas: list[dict]) -> list[dict]:
