@@ -308,6 +308,27 @@ def test_extensions_of_vllm_and_llama_server_constrain_too(client, extra, check)
     assert check(reply.choices[0].message.content), reply.choices[0].message.content
 
 
+def test_a_prediction_changes_nothing_but_the_forwards(client, default_references):
+    """OpenAI's `prediction`: the same reply, fewer forwards when it is right, and OpenAI's
+    accepted / rejected prediction token counts."""
+    expected = reference(default_references, QUESTIONS[6])
+    for method in ["ar", "hybrid"]:
+        plain = chat(client, QUESTIONS[6], extra_body={"method": method})
+        predicted = chat(client, QUESTIONS[6], extra_body={"method": method},
+                         prediction={"type": "content", "content": expected})
+        assert plain.choices[0].message.content == expected
+        assert predicted.choices[0].message.content == expected
+        details = predicted.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= predicted.usage.completion_tokens - 1
+        assert details.rejected_prediction_tokens <= 1
+        assert (predicted.model_extra["dresd"]["num_target_forwards"]
+                < plain.model_extra["dresd"]["num_target_forwards"])
+    wrong = chat(client, QUESTIONS[6], prediction={"type": "content",
+                                                   "content": "Nothing like the answer."})
+    assert wrong.choices[0].message.content == expected
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+
+
 def test_a_bad_grammar_is_a_400_naming_its_field(client):
     with pytest.raises(openai.BadRequestError, match="cannot be compiled") as refused:
         chat(client, QUESTIONS[5], extra_body={"guided_regex": "(unclosed"})

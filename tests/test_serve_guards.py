@@ -359,7 +359,6 @@ def test_a_tenant_drafts_from_its_own_outputs_only(tenants_server):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("prediction", {"type": "content", "content": "Hello"}),
     ("logit_bias", {"42": 5}),
     ("presence_penalty", 0.5),
     ("frequency_penalty", -1),

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.decoding.constraint import Grammar, GrammarError
+from dresd.drafters.prediction import prediction_tokens
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import protocol
 from dresd.serve.auth import APIKeyCheck
@@ -185,6 +186,9 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         # must not hold other requests
         prompt_ids = await asyncio.to_thread(tokenize, body, target.tokenizer)
         grammar = await asyncio.to_thread(request_grammar, body, target)
+        predicted = body.prediction_text()
+        prediction = (None if predicted is None else
+                      target.tokenizer(predicted, add_special_tokens=False)["input_ids"])
         settings = check_context(target, prompt_ids, settings, max_tokens is not None)
         kv_bytes = engine.check_kv(len(prompt_ids), settings.max_new_tokens, body.n)
         tenant = tenant_of(request)
@@ -193,7 +197,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         jobs = choice_jobs(prompt_ids, plan, body.n, tenant_salt(tenant, body.cache_salt or ""),
                            logprobs)
         for job in jobs:
-            job.kv_bytes, job.grammar = kv_bytes, grammar
+            job.kv_bytes, job.grammar, job.prediction = kv_bytes, grammar, prediction
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if tenant:
@@ -391,8 +395,14 @@ class Choices:
         # in whole blocks, as vLLM counts them: a count to the token would let a client learn
         # another's prompt (where they share a salt) one token at a time
         cached = first.cached_tokens // CACHED_TOKENS_BLOCK * CACHED_TOKENS_BLOCK
+        prediction = self.runs[0].job.prediction
+        counts = None
+        if prediction is not None:  # summed over the choices, as completion_tokens is
+            each = [prediction_tokens(prediction, run.result.token_ids) for run in self.runs]
+            counts = (sum(a for a, _ in each), sum(r for _, r in each))
         return protocol.usage(len(self.runs[0].job.prompt_ids),
-                              sum(len(run.result.token_ids) for run in self.runs), cached)
+                              sum(len(run.result.token_ids) for run in self.runs), cached,
+                              counts)
 
     def record(self) -> None:
         for run in self.runs:

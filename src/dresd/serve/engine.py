@@ -42,6 +42,7 @@ from dresd.decoding.kv_cache import INITIAL_CAPACITY
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.decoding.sampling import sampling_or_greedy
 from dresd.drafters import Drafter, NoDrafter, make_drafter
+from dresd.drafters.prediction import WithPrediction
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
@@ -133,6 +134,7 @@ class Job:
         self.cancelled = threading.Event()
         self.kv_bytes = 0  # the KV cache it may hold (`Engine.kv_need`)
         self.grammar: Grammar | None = None  # what its output must follow
+        self.prediction: list[int] | None = None  # the output the client expects (drafted)
 
     def post(self, kind: str, payload: object) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -325,6 +327,8 @@ class Engine:
         decoding on the same forward); its own drafter fork: sequences side by side keep
         their own per-generation state."""
         drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
+        if job.prediction:  # a draft source for every method, `ar` included
+            drafter = WithPrediction(drafter, job.prediction, len(job.prompt_ids))
         sibling = job.sibling_of.state if job.sibling_of is not None else None
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,

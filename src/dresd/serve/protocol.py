@@ -27,7 +27,7 @@ MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
 # refused with a 400 naming it, unless its value is the one that changes nothing (clients
 # such as LangChain send `presence_penalty: 0` and `logit_bias: {}` with every request).
 NOT_HONOURED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                "prediction", "logit_bias", "presence_penalty", "frequency_penalty",
+                "logit_bias", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "min_p", "best_of", "suffix", "chat_template_kwargs",
                 "reasoning_effort", "modalities", "audio", "web_search_options")
 # Where a request asks for structured output, by the API that named it: OpenAI's
@@ -69,6 +69,8 @@ class GenerationFields(BaseModel):
     structured_outputs: dict | None = None
     json_schema: dict | None = None
     grammar: str | None = None
+    # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}
+    prediction: dict | None = None
     # dresd's own, from the request body
     method: str | None = None
     datastore: str | None = None
@@ -125,6 +127,22 @@ class GenerationFields(BaseModel):
                 "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "grammar", "grammar": "grammar"}[name]
         return kind, value
+
+    def prediction_text(self) -> str | None:
+        """The predicted output's text, or None."""
+        if self.prediction is None:
+            return None
+        content = self.prediction.get("content")
+        if isinstance(content, list):  # text parts, as OpenAI's messages have them
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise RequestError("prediction.content parts must be text parts",
+                                   param="prediction")
+            content = "".join(part["text"] for part in content)
+        if self.prediction.get("type") != "content" or not isinstance(content, str):
+            raise RequestError('prediction must be {"type": "content", "content": TEXT}',
+                               param="prediction")
+        return content
 
     def ignored_fields(self) -> list[str]:
         """Unknown fields (not OpenAI's, nor dresd's), and the ones above at a value that
@@ -366,11 +384,17 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; `cached_tokens`: the prompt tokens read from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          prediction: tuple[int, int] | None = None) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens read from the prefix cache;
+    `prediction`: (accepted, rejected) prediction tokens, where the request gave one."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if prediction is not None:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": prediction[0],
+                                             "rejected_prediction_tokens": prediction[1]}
+    return body
 
 
 def choice_body(kind: Literal["chat", "text"], index: int, text: str, reason: str,
