@@ -9,6 +9,7 @@ import copy
 import itertools
 import json
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -407,6 +408,26 @@ def test_a_template_that_takes_tools_renders_them_itself(hermes_tokenizer):
     assert type(select_tool_format(hermes_tokenizer, tools=TOOLS)) is HermesFormat
     # tool_choice "none": rendered without tools
     assert "<tools>" not in render_tools_text(hermes_tokenizer, messages, TOOLS, "none")
+
+
+def test_mistral_templates_get_call_ids_they_take(tokenizer):
+    """Mistral's templates refuse ids that are not 9 letters or digits; OpenAI's ids are
+    mapped, the same id the same way, so a call and its result still match."""
+    mistral = copy.deepcopy(tokenizer)
+    mistral.chat_template = (
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{% for m in messages %}"
+        "{% for c in m.tool_calls or [] %}{% if c.id | length != 9 %}"
+        "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+        "{% endif %}[TOOL_CALLS]{{ c.id }}{% endfor %}"
+        "{% if m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[/TOOL_RESULTS]"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    text = render_tools_text(mistral, HISTORY, TOOLS)
+    ids = re.findall(r"\[TOOL_CALLS\](\w+)", text)
+    assert len(ids) == 2 and all(len(i) == 9 for i in ids)
+    assert re.findall(r"\[TOOL_RESULTS\](\w+)", text) == ids
+    assert render_tools_text(mistral, HISTORY, TOOLS) == text  # the same every turn
+    assert type(select_tool_format(mistral, tools=TOOLS)) is MistralFormat
 
 
 def test_named_templates_pick_tool_use_with_tools(tokenizer):

@@ -47,6 +47,7 @@ that a `<tool_call>` written while thinking is not taken for a call.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 import uuid
@@ -236,6 +237,30 @@ def prepare_messages(messages: Sequence[Any], native: bool) -> list[dict]:
     return out
 
 
+_MISTRAL_ID = re.compile(r"[a-zA-Z0-9]{9}")
+
+
+def _mistral_call_ids(messages: list[dict]) -> list[dict]:
+    """Mistral's templates refuse a call id that is not 9 letters or digits (its tokenizer's
+    rule); OpenAI's ("call_...", which this server hands out too) are mapped to 9 hex digits of
+    their hash: the same id always maps the same, so a call and its result still match, and
+    the rendered history is the same from one turn to the next (for the prefix cache)."""
+    def short(call_id: str) -> str:
+        if _MISTRAL_ID.fullmatch(call_id):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [{**call, "id": short(call["id"])}
+                                                 for call in message["tool_calls"]]}
+        if message.get("role") == "tool":
+            message = {**message, "tool_call_id": short(message["tool_call_id"])}
+        out.append(message)
+    return out
+
+
 def _hermes_block(name: str, arguments: Any) -> str:
     return f"<tool_call>\n{_dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
@@ -283,6 +308,8 @@ def render_tools_text(tokenizer: Any, messages: Sequence[Any], tools: Sequence[d
         raise RequestError("this model has no chat template; use /v1/completions")
     native = template_takes_tools(template)
     prepared = prepare_messages(messages, native)
+    if native and "[TOOL_CALLS]" in template:
+        prepared = _mistral_call_ids(prepared)
     if native or not active:
         return tokenizer.apply_chat_template(
             prepared, tools=active or None, add_generation_prompt=True, tokenize=False,
