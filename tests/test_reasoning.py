@@ -16,7 +16,7 @@ from dresd.serve.reasoning import (
     prompt_opens_think,
     split_reasoning,
 )
-from dresd.serve.tool_calls import ChatOutputStream, HermesFormat, join_deltas
+from dresd.serve.tool_calls import HermesFormat, join_deltas
 
 
 def streamed(text, rng, starts_inside=False):
@@ -117,34 +117,22 @@ def test_reasoning_then_tool_calls():
             '</tool_call>')
     for seed in range(10):
         rng = random.Random(seed)
-        stream = ChatOutputStream(HermesFormat(), ReasoningParser())
+        reasoning = ReasoningParser()
+        tools = HermesFormat().stream()
+
+        def chained(deltas, tools=tools):
+            return [out for d in deltas
+                    for out in (tools.feed(d["content"]) if "content" in d else [d])]
+
         deltas, i = [], 0
         while i < len(text):
             size = rng.randint(0, 6)
-            deltas += stream.feed(text[i:i + size])
+            deltas += chained(reasoning.feed(text[i:i + size]))
             i += size
-        deltas += stream.finish()
-        assert stream.called
+        deltas += chained(reasoning.finish()) + tools.finish()
+        assert tools.called
         assert join_reasoning_deltas(deltas)[0] == (
             'Maybe <tool_call>{"name": "now", "arguments": {}}</tool_call>?')
         content, calls = join_deltas(deltas)
         assert content is None
         assert [c["function"]["name"] for c in calls] == ["search"]
-
-
-@pytest.mark.parametrize("with_tools, with_reasoning", [(False, False), (True, False),
-                                                        (False, True)])
-def test_chat_output_stream_with_either_part_alone(with_tools, with_reasoning):
-    text = '<think>x</think> <tool_call>{"name": "now", "arguments": {}}</tool_call>'
-    stream = ChatOutputStream(HermesFormat() if with_tools else None,
-                              ReasoningParser() if with_reasoning else None)
-    deltas = [d for piece in (text[:9], text[9:20], text[20:]) for d in stream.feed(piece)]
-    deltas += stream.finish()
-    reasoning, content = join_reasoning_deltas(deltas)
-    assert reasoning == ("x" if with_reasoning else None)
-    if with_tools:
-        assert join_deltas(deltas)[1][0]["function"]["name"] == "now"
-        assert content == "<think>x</think>"
-    else:
-        assert content == (text if not with_reasoning else text.split("</think> ")[1])
-    assert all(next(iter(d.values())) for d in deltas)

@@ -41,8 +41,7 @@ their tokenizers; the text given to these parsers must be decoded with them kept
 added token that is not special: it survives either way.)
 
 With reasoning models, feed the tool parser the `content` of `reasoning.ReasoningParser`, so
-that a `<tool_call>` written while thinking is not taken for a call: `ChatOutputStream` does
-both (`ChatOutputStream(fmt, ReasoningParser(starts_inside))`).
+that a `<tool_call>` written while thinking is not taken for a call.
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ import jinja2.meta
 import jinja2.sandbox
 
 from dresd.serve.engine import RequestError
-from dresd.serve.reasoning import ReasoningParser
 
 # --- the request's fields --------------------------------------------------------------------
 
@@ -739,41 +737,6 @@ def join_deltas(deltas: Iterable[dict]) -> tuple[str | None, list[dict]]:
             calls[part["index"]]["function"]["arguments"] += function.get("arguments") or ""
     text = "".join(content)
     return (text or None) if calls else text, calls
-
-
-class ChatOutputStream:
-    """A chat output's whole parse, in pieces: the reasoning split off first (where a
-    `ReasoningParser` is given), then the calls parsed from the content (where a format is
-    given). Deltas: `reasoning_content`, `content` and `tool_calls` as OpenAI streams them.
-    A call written inside the reasoning is reasoning, not a call."""
-
-    def __init__(self, fmt: ToolCallFormat | None = None,
-                 reasoning: ReasoningParser | None = None,
-                 call_id: Callable[[], str] = new_call_id) -> None:
-        self.reasoning = reasoning
-        self.tools = fmt.stream(call_id) if fmt is not None else None
-
-    @property
-    def called(self) -> bool:
-        return self.tools is not None and self.tools.called
-
-    def feed(self, text: str) -> list[dict]:
-        return self._content(self.reasoning.feed(text) if self.reasoning else
-                             [{"content": text}], final=False)
-
-    def finish(self) -> list[dict]:
-        return self._content(self.reasoning.finish() if self.reasoning else [], final=True)
-
-    def _content(self, deltas: list[dict], final: bool) -> list[dict]:
-        out: list[dict] = []
-        for delta in deltas:
-            if "content" in delta and self.tools is not None:
-                out += self.tools.feed(delta["content"])
-            elif delta.get("content") != "":
-                out.append(delta)
-        if final and self.tools is not None:
-            out += self.tools.finish()
-        return out
 
 
 # --- constraint ------------------------------------------------------------------------------
