@@ -101,6 +101,8 @@ CASES = [
     (HermesFormat, '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
      '<tool_call>{"name": "now", "arguments": [1]}</tool_call>', []),
     (HermesFormat, "x<tool_call></tool_call>", "x<tool_call></tool_call>", []),
+    (HermesFormat, '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "now", "arguments": {"x": NaN}}</tool_call>', []),
     (HermesFormat, '<tool_call>{"name": "now", "argu', '<tool_call>{"name": "now", "argu', []),
     # a malformed call beside a good one: the good one is a call, the bad one content
     (HermesFormat, '<tool_call>{bad}</tool_call>\n<tool_call>{"name": "now", "arguments": {}}'

@@ -365,15 +365,21 @@ def _call_from_object(value: Any) -> ParsedCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _JSON.decode(arguments)
+        except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
     return name, _dumps(arguments)
 
 
-_JSON = json.JSONDecoder()
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Python's reader takes NaN and Infinity, which are not JSON: arguments holding one would reach
+# the client as text no JSON parser reads, so such a call is malformed (content).
+_JSON = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _json_values(text: str, separators: str = "") -> list[Any] | None:
@@ -387,7 +393,7 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
             return values
         try:
             value, i = _JSON.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except ValueError:
             return None
         values.append(value)
 
@@ -516,8 +522,8 @@ class Qwen3CoderFormat(ToolCallFormat):
         if raw.strip() == "null" and "null" in types:
             return None
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
+            return _JSON.decode(raw)
+        except ValueError:
             return raw
 
 
