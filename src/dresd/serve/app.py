@@ -28,8 +28,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.decoding.constraint import Grammar, GrammarError
 from dresd.drafters.prediction import prediction_tokens
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
-from dresd.serve import protocol
+from dresd.serve import chat_output, protocol
 from dresd.serve.auth import APIKeyCheck
+from dresd.serve.chat_output import ChatParsers, thinks
 from dresd.serve.engine import (
     WORKER_STOPPED,
     Engine,
@@ -42,6 +43,8 @@ from dresd.serve.engine import (
 )
 from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
+from dresd.serve.reasoning import ReasoningParser, prompt_opens_think
+from dresd.serve.tool_calls import HermesFormat, select_tool_format, tool_call_grammar
 
 log = logging.getLogger("dresd.serve")
 
@@ -205,8 +208,10 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         if body.ignored_fields():  # as JSON strings: a field name cannot forge a log line
             request.state.log["ignored"] = ",".join(json.dumps(name)
                                                     for name in body.ignored_fields())
+        make_parsers = chat_parsers(body, target.tokenizer, prompt_ids)
         runs = [Generation(job, target.tokenizer, settings.stop_strings, request, metrics,
-                           arrived, index, alive=lambda: engine.healthy)
+                           arrived, index, alive=lambda: engine.healthy,
+                           parsers=make_parsers() if make_parsers else None)
                 for index, job in enumerate(jobs)]
         choices = Choices(runs, request, protocol.new_id("chatcmpl" if kind == "chat"
                                                          else "cmpl"))
@@ -219,13 +224,53 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
     return app
 
 
+def chat_parsers(body: protocol.GenerationFields, tokenizer: PreTrainedTokenizerBase,
+                 prompt_ids: list[int]) -> Callable[[], ChatParsers] | None:
+    """What makes each chat choice's parsers (chat_output.py): the think block split off for
+    a model that thinks, tool calls parsed for a request with tools; None: the text as it is."""
+    if not isinstance(body, protocol.ChatCompletionRequest):
+        return None
+    tools = body.tools if body.tools and body.tool_choice != "none" else None
+    calls = select_tool_format(tokenizer, tools=tools) if tools else None
+    reasoning = thinks(tokenizer)
+    if not (calls or reasoning):
+        return None
+    starts_inside = reasoning and prompt_opens_think(
+        tokenizer.decode(prompt_ids, skip_special_tokens=False))
+    return lambda: ChatParsers(ReasoningParser(starts_inside) if reasoning else None, calls)
+
+
+def tool_choice_grammar(body: protocol.ChatCompletionRequest,
+                        tokenizer: PreTrainedTokenizerBase) -> tuple[str, object] | None:
+    """(kind, spec) of the grammar `tool_choice: "required"` or a named function demands: the
+    call in Hermes markers, its JSON by the tool's parameters (tool_calls.py); None for
+    "auto" and "none"."""
+    if not body.tools or body.tool_choice in (None, "auto", "none"):
+        return None
+    if not isinstance(select_tool_format(tokenizer, tools=body.tools), HermesFormat):
+        raise RequestError("tool_choice \"required\" or a named function is enforced by a "
+                           "grammar for models that write Hermes-style <tool_call> blocks; "
+                           "this model writes another format: use \"auto\"",
+                           param="tool_choice")
+    return "lark", tool_call_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
+
+
 def request_grammar(body: protocol.GenerationFields, target) -> Grammar | None:
-    """The grammar the request's output must follow (`response_format` or the like), compiled
-    for the model's tokenizer; a grammar that does not compile is a 400 naming its field."""
+    """The grammar the request's output must follow (`response_format` or the like, or a
+    required tool call), compiled for the model's tokenizer; a grammar that does not compile
+    is a 400 naming its field."""
     spec = body.grammar_spec()
+    field = next((name for name in protocol.GRAMMAR_FIELDS if getattr(body, name) is not None),
+                 None)
+    if isinstance(body, protocol.ChatCompletionRequest):
+        calls = tool_choice_grammar(body, target.tokenizer)
+        if calls is not None and spec is not None:
+            raise RequestError(f"a required tool call and {field} cannot both constrain the "
+                               "output", param="tool_choice")
+        if calls is not None:
+            spec, field = calls, "tool_choice"
     if spec is None:
         return None
-    field = next(name for name in protocol.GRAMMAR_FIELDS if getattr(body, name) is not None)
     config = target.model.config
     vocab_size = (getattr(config, "text_config", None) or config).vocab_size
     try:
@@ -284,8 +329,10 @@ class Generation:
 
     def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  request: Request, metrics: ServerMetrics, arrived: float,
-                 index: int = 0, alive: Callable[[], bool] = lambda: True) -> None:
+                 index: int = 0, alive: Callable[[], bool] = lambda: True,
+                 parsers: ChatParsers | None = None) -> None:
         self.job = job
+        self.parsers = parsers  # a chat choice's reasoning and tool call parsers, if any
         self.alive = alive  # whether the engine's worker still runs: else nothing will come
         self.request = request
         self.metrics = metrics
@@ -337,6 +384,8 @@ class Generation:
                 self.job.cancelled.set()  # the loop stops at its next step
 
     def finish_reason(self) -> str:
+        if self.parsers is not None and self.parsers.called:
+            return "tool_calls"
         return protocol.finish_reason(self.result.stop_reason, self.pieces.stopped)
 
     def record(self) -> None:
@@ -425,9 +474,12 @@ class Choices:
             for task in tasks:
                 task.cancel()  # where one failed, the others stop too (their jobs cancelled)
             self.record()
-        choices = [protocol.choice_body(kind, run.index, text, run.finish_reason(),
+        messages = [text if run.parsers is None else  # the parsers' message: calls, reasoning
+                    chat_output.message([*run.parsers.feed(text), *run.parsers.finish()])
+                    for run, text in zip(self.runs, texts, strict=True)]
+        choices = [protocol.choice_body(kind, run.index, message, run.finish_reason(),
                                         run.logprobs(kind, run.result.logprobs or []))
-                   for run, text in zip(self.runs, texts, strict=True)]
+                   for run, message in zip(self.runs, messages, strict=True)]
         return JSONResponse(protocol.completion_body(
             kind, self.request_id, self.created, model, choices, self.usage(),
             self.runs[0].figures()))
@@ -461,9 +513,13 @@ class Choices:
                 if failure is not None:
                     raise failure
                 if piece is not None:
-                    yield event(protocol.chunk_body(kind, *ids, piece, None, index=run.index,
-                                                    logprobs=run.sent_logprobs(kind)))
+                    for delta in [piece] if run.parsers is None else run.parsers.feed(piece):
+                        yield event(protocol.chunk_body(kind, *ids, delta, None,
+                                                        index=run.index,
+                                                        logprobs=run.sent_logprobs(kind)))
                     continue
+                for delta in run.parsers.finish() if run.parsers is not None else []:
+                    yield event(protocol.chunk_body(kind, *ids, delta, None, index=run.index))
                 ended += 1
                 final = "" if kind == "text" else None
                 yield event(protocol.chunk_body(kind, *ids, final, run.finish_reason(),

@@ -19,6 +19,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.metrics import TokenLogprob
 from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
+from dresd.serve.tool_calls import check_tools, render_tools_prompt
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
@@ -30,6 +31,8 @@ NOT_HONOURED = ("tools", "tool_choice", "functions", "function_call", "parallel_
                 "logit_bias", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "min_p", "best_of", "suffix", "chat_template_kwargs",
                 "reasoning_effort", "modalities", "audio", "web_search_options")
+# (the chat endpoint declares `tools`, `tool_choice`, `parallel_tool_calls` and
+# `chat_template_kwargs` as its own fields: there they are honoured, not refused)
 # Where a request asks for structured output, by the API that named it: OpenAI's
 # `response_format`, vLLM's `guided_*` and `structured_outputs`, llama-server's `json_schema`
 # and `grammar` (GBNF). A request may use one.
@@ -233,6 +236,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    tools: list[dict] | None = None  # functions the model may call (tool_calls.py)
+    tool_choice: str | dict | None = None  # "none", "auto", "required" or a named function
+    parallel_tool_calls: bool = True  # under "required" or a named one: one call or more
+    chat_template_kwargs: dict | None = None  # passed to the chat template (enable_thinking)
+
+    def uses_tools(self) -> bool:
+        """Whether the prompt needs tool_calls.py's rendering: tools, a tool call or result
+        in the history, or arguments for the template."""
+        return bool(self.tools or self.chat_template_kwargs or any(
+            m.role == "tool" or (m.model_extra or {}).get("tool_calls") for m in self.messages))
 
     def logprobs_wanted(self) -> int | None:
         """Chat: `logprobs` true turns them on, `top_logprobs` asks for alternatives."""
@@ -251,6 +264,13 @@ class ChatCompletionRequest(GenerationFields):
         if not tokenizer.chat_template:
             raise RequestError("this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        if self.uses_tools():
+            check_tools(self.tools, self.tool_choice)
+            history = [{**(m.model_extra or {}), **message}
+                       for m, message in zip(self.messages, messages, strict=True)]
+            return render_tools_prompt(tokenizer, history, self.tools,
+                                       self.tool_choice or "auto",
+                                       **(self.chat_template_kwargs or {}))
         if not any(m["content"].strip() for m in messages):
             raise RequestError("the messages are empty", param="messages")
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -397,12 +417,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
     return body
 
 
-def choice_body(kind: Literal["chat", "text"], index: int, text: str, reason: str,
+def choice_body(kind: Literal["chat", "text"], index: int, text: str | dict, reason: str,
                 logprobs: dict | None = None) -> dict:
-    """One choice of a whole response."""
+    """One choice of a whole response (chat: its text, or its whole message)."""
     if kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": reason}
+        message = text if isinstance(text, dict) else {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
@@ -415,14 +436,17 @@ def completion_body(kind: Literal["chat", "text"], request_id: str, created: int
 
 
 def chunk_body(kind: Literal["chat", "text"], request_id: str, created: int, model: str,
-               text: str | None, reason: str | None, first: bool = False,
+               text: str | dict | None, reason: str | None, first: bool = False,
                logprobs: dict | None = None, index: int = 0) -> dict:
-    """One streamed chunk: a piece of text, or the last one with its finish_reason."""
+    """One streamed chunk: a piece of text (chat: or a whole delta, as `chat_output` gives
+    them: reasoning, tool calls), or the last one with its finish_reason."""
     if kind == "chat":
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
-        if text is not None:
+        if isinstance(text, dict):
+            delta.update(text)
+        elif text is not None:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": reason}
