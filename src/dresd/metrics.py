@@ -17,6 +17,7 @@ class StepRecord:
     draft_depth: int  # longest draft in the tree (0: nothing drafted)
     draft_seconds: float  # the drafter's propose() and the tree's construction
     verify_seconds: float  # the target forward, acceptance and cache compaction
+    num_forced: int = 0  # of the accepted, the tokens a grammar forced (drafted for free)
 
 
 @dataclass

@@ -477,6 +477,7 @@ class BatchEngine:
             draft_seconds=state.draft_seconds,
             # the whole step's forward, shared by every sequence in it, and this acceptance
             verify_seconds=clock(self.device) - forward_started,
+            num_forced=sum(node in state.forced for node in path[1:]),
         ))
         self._record(state, output, path, emitted)  # the rows that chose each token
         return emitted
