@@ -77,6 +77,25 @@ def gemma_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def default_tokens() -> tuple[list[str], list[int]]:
+    """The default model's byte-level vocabulary: (tokens, token types), as gguf-py reads it."""
+    vocab = gguf.vocab.BpeVocab(ensure_default_model(quiet=True))
+    tokens, _, token_types = zip(*vocab.all_tokens(), strict=True)
+    return list(tokens), list(token_types)
+
+
+def add_default_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The default model's tokenizer (vocabulary, merges, special tokens, chat template) as
+    llama.cpp's converter writes a byte-level one."""
+    tokens, token_types = default_tokens()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    gguf.vocab.SpecialVocab(ensure_default_model(quiet=True), load_merges=True,
+                            n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
 def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """A K-quant tensor's raw blocks, random (gguf has no quantizer for these): random quants
     and scales, with small finite float16 super-block scales."""
@@ -167,9 +186,7 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
     if sentencepiece:
         tokens, scores, token_types = gemma_vocab()
     else:
-        folder = ensure_default_model(quiet=True)
-        vocab = gguf.vocab.BpeVocab(folder)
-        tokens, _, token_types = zip(*vocab.all_tokens(), strict=True)
+        tokens = default_tokens()[0]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny test model")
     writer.add_block_count(layers)
@@ -207,12 +224,7 @@ def write_tiny_gguf(path: Path, linear_type: Q = Q.Q4_1, embedding_type: Q = Q.Q
         writer.add_add_space_prefix(False)
         writer.add_chat_template(GEMMA_CHAT_TEMPLATE)
     else:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
-        writer.add_token_list(list(tokens))
-        writer.add_token_types(list(token_types))
-        gguf.vocab.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(
-            writer, quiet=True)
+        add_default_tokenizer(writer)
 
     def add(name: str, n: int, k: int, qtype: Q, scale: float = 0.08) -> None:
         if k % GGML_QUANT_SIZES[qtype][0]:  # rows too narrow for a K-quant: as llama-quantize
@@ -262,14 +274,17 @@ def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
     return path
 
 
-# transformers' names of a Gemma-3 layer's tensors -> llama.cpp's (gguf-py's tensor_mapping.py)
-GEMMA3_LAYER_TENSORS = {
+# transformers' names of a layer's tensors -> llama.cpp's (gguf-py's tensor_mapping.py)
+LAYER_TENSORS = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "post_feedforward_layernorm": "post_ffw_norm",
+}
+LLAMA_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "ffn_norm"}
+GEMMA3_LAYER_TENSORS = {
+    **LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -298,3 +313,164 @@ def _add_gemma3_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, linear_
         floats = qtype in (Q.F32, Q.F16)
         writer.add_tensor(gguf_name, data, raw_shape=None if floats else data.shape,
                           raw_dtype=None if floats else qtype)
+
+
+# --- transformers folders, converted as llama.cpp converts them ----------------------------
+# For references no one here wrote: a tiny random transformers model (Llama with rope scaling,
+# Qwen3) saved as a folder, its float32 forward the reference, and the folder converted to a
+# GGUF file by llama.cpp's own `convert_hf_to_gguf.py` where its sources are on this machine
+# (`llama_cpp_converter`: benchmarks/peers/llama_cpp_tools.sh fetches them), else by
+# `convert_like_llama_cpp`, which writes what that converter writes (checked against it by
+# tests/test_gguf_rope_scaling.py where both run).
+
+HF_SHAPE = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Llama 3.1's scaling with its original context cut to 32 tokens, so that a test's prompts run
+# far past it: the converter stores it as rope_freqs.weight
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 32}
+
+
+def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int = 0):
+    """A random float32 transformers `LlamaForCausalLM` (with `rope` as its rope parameters)
+    or `Qwen3ForCausalLM` (`arch` "qwen3") of `HF_SHAPE`, every weight a bf16 value (so that a
+    bf16 file holds exactly the reference's weights), large enough that its next tokens are
+    no near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPE, rope_parameters=rope))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**HF_SHAPE, rope_parameters=rope))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * noise
+            else:
+                value = noise * {"model.embed_tokens.weight": 1.0,
+                                 "lm_head.weight": 0.3}.get(name, 0.08)
+            parameter.copy_(value.to(torch.bfloat16).float())
+    return model.eval()
+
+
+def save_transformers_folder(model, folder: Path) -> Path:
+    """`model` saved as a folder with the default model's tokenizer (what the converter reads)."""
+    import shutil
+
+    model.save_pretrained(folder)
+    source = ensure_default_model(quiet=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return folder
+
+
+def llama_cpp_converter() -> Path | None:
+    """llama.cpp's `convert_hf_to_gguf.py`, where benchmarks/peers/ installed its sources."""
+    import os
+
+    peers = Path(os.environ.get("PEERS", Path.home() / ".cache/dresd/peers"))
+    found = sorted(peers.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    return found[-1] if found else None
+
+
+def convert_with_llama_cpp(folder: Path, path: Path) -> Path:
+    """The folder as a bf16 GGUF file, by llama.cpp's own converter (it imports its own
+    gguf-py; nothing is built)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(llama_cpp_converter()), str(folder), "--outtype",
+                    "bf16", "--outfile", str(path)], check=True, capture_output=True)
+    return path
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it (`LlamaModel.
+    generate_extra_tensors`): per rotated pair, 1 for short wavelengths, `factor` for long
+    ones, and between them 1 / ((1 - smooth) / factor + smooth); in float32 torch scalars as
+    there, so the bits are the converter's."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs:  # 0-d float32 tensors
+        wavelength = 2 * np.pi / freq
+        if wavelength < old_context / high:
+            factors.append(1)
+        elif wavelength > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """The converter's q/k row permutation of a Llama file (`LlamaModel.permute`)."""
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def convert_like_llama_cpp(model, path: Path) -> Path:
+    """`model` (from `transformers_model`) as the bf16 GGUF file llama.cpp's converter writes
+    from its folder: its metadata, 2D weights in BF16, norms and rope_freqs in F32, a Llama
+    file's q and k rows permuted, Llama 3 scaling as rope_freqs.weight, linear and YaRN scaling
+    as `rope.scaling.*` metadata (`TextModel.set_gguf_parameters`)."""
+    config = model.config
+    arch = config.model_type
+    rope = config.rope_parameters
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny converted model")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.head_dim)
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config.head_dim))
+    add_default_tokenizer(writer)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for name, value in model.state_dict().items():
+        weights = value.float().numpy()
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "lm_head.weight": "output.weight",
+                         "model.norm.weight": "output_norm.weight"}[name]
+        else:
+            _, _, index, rest = name.split(".", 3)
+            part = rest.removesuffix(".weight")
+            gguf_name = f"blk.{index}.{LLAMA_LAYER_TENSORS[part]}.weight"
+            projection = part.split(".")[-1]
+            if arch == "llama" and projection in heads:
+                weights = llama_cpp_permute(weights, heads[projection])
+        if weights.ndim == 1:
+            writer.add_tensor(gguf_name, weights.astype(np.float32))
+        else:
+            data = gguf.quants.quantize(weights, Q.BF16)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
+    return _finish(writer, path)

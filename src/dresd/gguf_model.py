@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import struct
 import tempfile
@@ -55,7 +56,8 @@ from dresd.kernels.linear import InvariantLinear
 from dresd.kernels.linear import kernel as linear_kernel
 
 Q = GGMLQuantizationType
-C_DECODER_ARCHITECTURES = ("llama", "qwen2")  # whose layers `LlamaForward` runs
+C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # whose layers `LlamaForward` runs
+HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3")  # a norm per head on q and k (attn_q/k_norm)
 ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3: transformers' forward
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
@@ -528,6 +530,75 @@ def gemma3_config(reader: GGUFReader, path: Path) -> Gemma3TextConfig:
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
 
 
+# --- rotary embedding scaling, as llama.cpp reads it ---------------------------------------
+# llama.cpp's converter writes rope scaling two ways: `{arch}.rope.scaling.*` metadata (linear,
+# YaRN), and for Llama 3.1-3.3's "llama3" scaling a tensor, `rope_freqs.weight`: one factor per
+# rotated pair of dimensions, by which llama.cpp divides that pair's frequency
+# (ggml_rope_ext's freq_factors). transformers' GGUF loader reads neither for these
+# architectures, so without what follows a Llama 3.1 file ran as if unscaled.
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """llama.cpp's and transformers' YaRN magnitude: 1 + 0.1 mscale ln(factor) (1 for factor
+    <= 1)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def file_rope_parameters(reader: GGUFReader, path: Path, architecture: str) -> dict:
+    """A Llama-family file's rotary embedding as transformers' `config.rope_parameters`, read
+    as llama.cpp reads it (`llama_model::load_hparams`, `llama_context`'s YaRN set-up):
+
+    - base: `rope.freq_base`, 10000 where absent.
+    - scaling: `rope.scaling.type` (llama.cpp's default: linear) with `rope.scaling.factor`
+      (or the older `rope.scale_linear`); none, or a factor of 1: no scaling.
+    - YaRN: the original context `rope.scaling.original_context_length` (default: the
+      file's context length), `yarn_beta_fast`/`yarn_beta_slow` (32 and 1), and the magnitude
+      llama.cpp gives cos and sin: mscale(factor, 1) / mscale(factor, yarn_log_multiplier)
+      times `rope.scaling.attn_factor`, as transformers' `attention_factor`.
+    Anything else (LongRoPE, a YaRN extrapolation factor other than 1) is one error.
+    `rope_freqs.weight` is not here: `load_gguf` divides the frequencies by it."""
+    key = f"{architecture}.rope.{{}}".format
+    rope: dict = {"rope_type": "default",
+                  "rope_theta": float(_number(reader, path, key("freq_base"), 10000.0))}
+    kind = str(_field(reader, key("scaling.type")) or "linear")
+    factor = float(_field(reader, key("scaling.factor"))
+                   or _field(reader, key("scale_linear")) or 1.0)
+    if kind == "none" or factor == 1.0:
+        return rope
+    if kind == "linear":
+        return {**rope, "rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise GGUFError(f"{path}: rope scaling {kind!r} is not one dresd runs (linear, yarn, "
+                        "and Llama 3's rope_freqs).")
+    if float(_field(reader, key("scaling.yarn_ext_factor")) or 1.0) != 1.0:
+        raise GGUFError(f"{path}: a YaRN extrapolation factor other than 1 is not one dresd "
+                        "runs.")
+    log_multiplier = float(_field(reader, key("scaling.yarn_log_multiplier")) or 0.0)
+    original = _field(reader, key("scaling.original_context_length")) or _number(
+        reader, path, f"{architecture}.context_length")
+    return {**rope, "rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": int(original),
+            "beta_fast": float(_field(reader, key("scaling.yarn_beta_fast")) or 32.0),
+            "beta_slow": float(_field(reader, key("scaling.yarn_beta_slow")) or 1.0),
+            "attention_factor": _yarn_mscale(factor, 1.0)
+            / _yarn_mscale(factor, log_multiplier)
+            * float(_field(reader, key("scaling.attn_factor")) or 1.0)}
+
+
+def divide_rope_frequencies(rotary: torch.nn.Module, factors: torch.Tensor) -> None:
+    """A file's `rope_freqs` applied to transformers' rotary embedding: each pair's frequency
+    divided by its factor, as llama.cpp divides it (cos and sin, and so the C decoder's
+    values, come from this module: `forward.LlamaForward._inputs`)."""
+    if factors.shape != rotary.inv_freq.shape or not bool((factors > 0).all()):
+        raise GGUFError(f"rope_freqs: {factors.numel()} factors for "
+                        f"{rotary.inv_freq.numel()} frequencies, or factors that are not "
+                        "positive.")
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+
+
 def _token_rows(reader: GGUFReader, path: Path) -> int:
     """The vocabulary the model has rows for: the token embedding's (the converter cuts rows
     past the tokenizer's vocabulary, so they need not be the config's original size)."""
@@ -613,12 +684,14 @@ def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
             ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)),
             ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
             ("ffn_down", (hidden, inter)))})
-        if architecture == "gemma3":
+        if architecture in HEAD_NORM_ARCHITECTURES:
             expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
                              for part in "qk"})
         for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
             if f"{blk}attn_{part}.bias" in present:
                 expected[f"{blk}attn_{part}.bias"] = ((rows,), NORM_TYPES)
+    if ROPE_FREQS in present:  # a factor per rotated pair of dimensions
+        expected[ROPE_FREQS] = ((head_dim // 2,), NORM_TYPES)
     return expected
 
 
@@ -709,6 +782,14 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     sizes = check_model_tensors(reader, path, architecture)
     tensors = _Tensors(reader, path)
     config, tokenizer = config_and_tokenizer(path, reader)
+    if architecture in C_DECODER_ARCHITECTURES:
+        config.rope_parameters = file_rope_parameters(reader, path, architecture)
+        if architecture == "qwen3":  # transformers' mapping takes no head size for qwen3
+            config.head_dim = sizes.head_dim
+        if ROPE_FREQS in tensors and config.rope_parameters["rope_type"] == "yarn":
+            raise GGUFError(f"{path}: rope_freqs with YaRN scaling is not one dresd runs.")
+    elif ROPE_FREQS in tensors:
+        raise GGUFError(f"{path}: a {architecture} file with rope_freqs is not one dresd runs.")
     if Sizes.of_config(config) != sizes:  # the shapes were checked against these sizes
         raise GGUFError(f"{path}: transformers reads the file's sizes as {Sizes.of_config(config)}"
                         f", dresd as {sizes}; dresd cannot run a file read two ways.")
@@ -724,6 +805,8 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     with torch.device("cpu"):  # its frequencies, computed (they are no weights of the file)
         decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
+    if ROPE_FREQS in tensors:  # Llama 3.1-3.3's scaling, as the converter stores it
+        divide_rope_frequencies(decoder.rotary_emb, tensors.floats(ROPE_FREQS))
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()]
             if value is not None and value.is_meta]
     if left:
@@ -742,7 +825,8 @@ def _norm(tensors: _Tensors, name: str, size: int, offset: float = 0.0) -> torch
 
 
 def _fill_llama(model: PreTrainedModel, tensors: _Tensors, architecture: str) -> None:
-    """A Llama or Qwen2 model's layers from the file (the C decoder then runs them)."""
+    """A Llama, Qwen2 or Qwen3 model's layers from the file (the C decoder then runs them).
+    Only Llama files have their q and k rows permuted (llama.cpp ropes Qwen NEOX-style)."""
     config, decoder = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -767,6 +851,9 @@ def _fill_llama(model: PreTrainedModel, tensors: _Tensors, architecture: str) ->
         mlp.gate_proj = tensors.linear(blk + "ffn_gate.weight")
         mlp.up_proj = tensors.linear(blk + "ffn_up.weight")
         mlp.down_proj = tensors.linear(blk + "ffn_down.weight")
+        if architecture == "qwen3":  # per-head norms of q and k, before the rotary embedding
+            attn.q_norm.weight = norm(blk + "attn_q_norm.weight")
+            attn.k_norm.weight = norm(blk + "attn_k_norm.weight")
     decoder.norm.weight = norm("output_norm.weight")
 
 

@@ -121,9 +121,14 @@ def additive_mask(start: int, within: torch.Tensor, dtype: torch.dtype) -> torch
 
 class LlamaForward:
     """Batched forward for Llama-shaped decoders (Llama, Mistral without a sliding window,
-    Qwen2): see the module docstring."""
+    Qwen2, Qwen3 with its per-head q/k norms): see the module docstring."""
 
-    ARCHITECTURES = ("llama", "mistral", "qwen2")
+    ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+    # Rotary embeddings whose frequencies are fixed when the model is built: a row's cos and
+    # sin are then a function of its position alone (transformers' `attention_scaling`
+    # included), whatever rows share the forward. "dynamic" and "longrope" recompute them from
+    # the longest position in the call, which would tie a row's bits to the rows beside it.
+    STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
     @classmethod
     def takes(cls, model: PreTrainedModel) -> bool:
@@ -134,8 +139,8 @@ class LlamaForward:
         if not type(model).__module__.startswith("transformers.models."):
             return False  # a subclass may change the forward this one stands in for
         rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            return False  # scaled or dynamic rotary variants are left to transformers
+        if rope.get("rope_type", "default") not in cls.STATIC_ROPE:
+            return False  # dynamic rotary variants are left to transformers
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
                                                                  True):
             return False
@@ -197,7 +202,10 @@ class LlamaForward:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         hidden = self.decoder.embed_tokens(ids)  # [rows, d]
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids)  # [1, rows, head_dim]
+        # [1, rows, head_dim], from the model's own rotary embedding: its scaling (linear,
+        # llama3, yarn; a GGUF file's `rope_freqs`) and its `attention_scaling` on cos and sin
+        # included, so the C decoder and the code below apply exactly transformers' values
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids)
         bounds = [0]
         for segment in segments:
             bounds.append(bounds[-1] + len(segment))
@@ -226,6 +234,8 @@ class LlamaForward:
             query = query.reshape(-1, self.heads, self.head_dim)
             key = key.reshape(-1, self.kv_heads, self.head_dim)
             value = value.reshape(-1, self.kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: each head normed before the rotary embedding
+                query, key = attn.q_norm(query), attn.k_norm(key)
             # Rotary embedding, the expression transformers evaluates (rotate_half inlined).
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin

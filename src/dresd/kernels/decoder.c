@@ -9,6 +9,8 @@
  *   normed  = rms_norm(hidden) * w_in
  *   q, k, v = normed [Wq | Wk | Wv]^T (+ bias)          one linear (linear.c, or quant.c
  *                                                        on a GGUF file's quantized blocks)
+ *   q, k    = rms_norm(q) * w_q, rms_norm(k) * w_k      per head, where the model has them
+ *                                                        (Qwen3), else as they are
  *   q, k    = rotary(q), rotary(k);  k, v -> each sequence's cache, rows start .. start + t - 1
  *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant)
  *   hidden  = hidden + mixed Wo^T
@@ -58,6 +60,10 @@ typedef struct {
     const Weight *o;                     /* [layers] */
     const Weight *gate_up;               /* [layers]: [gate | up] */
     const Weight *down;                  /* [layers] */
+    /* Per-head norms of q and k before the rotary embedding (Qwen3), NULL where the model has
+     * none: [layers] -> bf16 [head_dim], the same epsilon as the other norms. */
+    const uint16_t *const *q_norm;
+    const uint16_t *const *k_norm;
 } Decoder;
 
 /* The sequences of one forward. Segment s owns rows first[s] .. first[s] + rows[s] - 1; its
@@ -191,11 +197,17 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
                          threads);
     free(normed);
     if (status != 0) return status;
+    const uint16_t *q_norm = m->q_norm ? m->q_norm[layer] : NULL;
+    const uint16_t *k_norm = m->k_norm ? m->k_norm[layer] : NULL;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
-        for (int h = 0; h < m->heads + m->kv_heads; h++) /* q heads, then k heads */
-            rotate(qkv + (int64_t)r * width + h * dim, cos + (int64_t)r * dim,
-                   sin + (int64_t)r * dim, dim);
+        for (int h = 0; h < m->heads + m->kv_heads; h++) { /* q heads, then k heads */
+            uint16_t *head = qkv + (int64_t)r * width + h * dim;
+            const uint16_t *head_norm = h < m->heads ? q_norm : k_norm;
+            /* in place: rms_norm reads each value before it writes the same one */
+            if (head_norm) rms_norm(head, head_norm, dim, m->eps, head);
+            rotate(head, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim);
+        }
     for (int s = 0; s < segments->count; s++) {
         int64_t head_stride = segments->capacity[s] * dim;
         int64_t layer_stride = m->kv_heads * head_stride;

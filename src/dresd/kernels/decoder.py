@@ -9,9 +9,10 @@ computes and how it rounds.
 Where it runs: bf16 Llama-shaped models (`decoding/forward.LlamaForward`) whose q/k/v and
 gate/up projections are fused on the C linear kernel, the attention is the batch-invariant C
 kernel, the MLP is SiLU-gated without biases, and the sizes are whole vectors (hidden size and
-intermediate size multiples of 16). `CDecoder.build` returns None elsewhere, and the forward
-keeps its PyTorch path. `DRESD_CPU_DECODER=0` turns it off. Compiled once per machine, like the
-other kernels (`kernels.load`).
+intermediate size multiples of 16); per-head q and k norms before the rotary embedding
+(Qwen3's) where the attention has them. `CDecoder.build` returns None elsewhere, and the
+forward keeps its PyTorch path. `DRESD_CPU_DECODER=0` turns it off. Compiled once per
+machine, like the other kernels (`kernels.load`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class DecoderStruct(ctypes.Structure):
                 ("scale", ctypes.c_float), ("input_norm", _pointers), ("post_norm", _pointers),
                 ("final_norm", _pointer), ("qkv", ctypes.POINTER(WeightStruct)),
                 ("qkv_bias", _pointers), ("o", ctypes.POINTER(WeightStruct)),
-                ("gate_up", ctypes.POINTER(WeightStruct)), ("down", ctypes.POINTER(WeightStruct))]
+                ("gate_up", ctypes.POINTER(WeightStruct)), ("down", ctypes.POINTER(WeightStruct)),
+                ("q_norm", _pointers), ("k_norm", _pointers)]
 
 
 class SegmentsStruct(ctypes.Structure):
@@ -151,6 +153,13 @@ def kernel() -> ctypes.CDLL | None:
     return library
 
 
+def _head_norms(attention: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """An attention's per-head q and k norms (Qwen3's, applied before the rotary embedding),
+    or () where it has none."""
+    norms = tuple(getattr(attention, name, None) for name in ("q_norm", "k_norm"))
+    return norms if all(norm is not None for norm in norms) else ()
+
+
 def _addresses(tensors: list[torch.Tensor | None]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr()
                                               for t in tensors])
@@ -177,10 +186,14 @@ class CDecoder:
                 return None
             if parts.gate_up.bias is not None:
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                     *_head_norms(layer.self_attn))
             if not all(type(norm).__name__.endswith("RMSNorm")
-                       and hasattr(norm, "variance_epsilon") for norm in norms):
-                return None
+                       and getattr(norm, "variance_epsilon", None)
+                       == layer.input_layernorm.variance_epsilon for norm in norms):
+                return None  # the C code has one epsilon for every norm
+        if len({len(_head_norms(layer.self_attn)) for layer in layers}) > 1:
+            return None  # q/k norms in some layers only: no model has that
         return CDecoder(decoder, config, fused)
 
     def __init__(self, decoder: torch.nn.Module, config, fused: list) -> None:
@@ -205,15 +218,20 @@ class CDecoder:
         o = _weights([layer.self_attn.o_proj for layer in layers], q_width, hidden, "o")
         gate_up = _weights([parts.gate_up for parts in fused], hidden, 2 * inter, "gate/up")
         down = _weights([layer.mlp.down_proj for layer in layers], inter, hidden, "down")
+        head_norms = [None, None]  # q's and k's per-head norms: NULL in C where there are none
+        if _head_norms(attention):
+            head_norms = [ctypes.cast(_vectors([getattr(layer.self_attn, name).weight
+                                                for layer in layers], head_dim, bf16, name),
+                                      _pointers) for name in ("q_norm", "k_norm")]
         # kept alive: the struct points into them
-        self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down]
+        self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down, head_norms]
         self.struct = DecoderStruct(
             len(layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, attention.head_dim, config.intermediate_size,
             layers[0].input_layernorm.variance_epsilon, attention.scaling,
             ctypes.cast(input_norms, _pointers), ctypes.cast(post_norms, _pointers),
             decoder.norm.weight.data_ptr(), qkv, ctypes.cast(qkv_biases, _pointers), o, gate_up,
-            down)
+            down, *head_norms)
         self._weights = (decoder, fused)  # the addresses above stay valid while these live
         self.library = kernel()
 
