@@ -10,8 +10,10 @@
                            token embedding: rows dequantized when looked up
                            norms: the file's float32 values as bf16 parameters
 
-For `llama` and `qwen2` the forward is dresd's own (`decoding/forward.LlamaForward` on the C
-decoder); a `gemma3` file (Gemma-3's text model: sliding-window layers, tied embedding) runs
+For `llama`, `qwen2` and `qwen3` the forward is dresd's own (`decoding/forward.LlamaForward` on
+the C decoder; Qwen3's per-head q/k norms included), with the file's rope scaling as llama.cpp
+reads it (`file_rope_parameters`; Llama 3.x's `rope_freqs` tensor: `divide_rope_frequencies`);
+a `gemma3` file (Gemma-3's text model: sliding-window layers, tied embedding) runs
 transformers' `Gemma3ForCausalLM` forward (`forward.HFForward`, which keeps the window under
 speculation) with the same quantized linears in the C kernel. Either way every method runs on
 the file's own weights with the same batch-invariance as a bf16 model: the reference for a GGUF
