@@ -384,6 +384,16 @@ def test_a_named_tool_and_a_tool_history_are_served(client):
             tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
+def test_penalties_and_a_logit_bias_give_ar_s_reply_for_every_method(client):
+    fields = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
+              "logit_bias": {"28": -100, "30": 3.5}}
+    replies = {method: chat(client, QUESTIONS[7], max_tokens=24,
+                            extra_body={"method": method, **fields}).choices[0].message.content
+               for method in ["ar", "pld", "suffix", "hybrid"]}
+    assert len(set(replies.values())) == 1, replies
+    assert replies["ar"] != chat(client, QUESTIONS[7], max_tokens=24).choices[0].message.content
+
+
 def test_a_bad_grammar_is_a_400_naming_its_field(client):
     with pytest.raises(openai.BadRequestError, match="cannot be compiled") as refused:
         chat(client, QUESTIONS[5], extra_body={"guided_regex": "(unclosed"})

@@ -117,6 +117,13 @@ def streamed(server: LocalServer, prompt: str, max_tokens: int = 8) -> tuple[str
     ({"max_tokens": 200_000}, "max_tokens"),  # past the context
     ({"temperature": -1}, "temperature"),
     ({"temperature": 0.5, "top_p": 0}, "top_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"10": 101}}, "logit_bias"),
+    ({"logit_bias": {"999999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"temperature": 0.5, "min_p": 1.5}, "min_p"),
 ])
 def test_a_bad_field_is_a_400_naming_it(server, fields, param):
     status, reply = post(server, {"prompt": "Hello", "max_tokens": 4, **fields})
@@ -359,11 +366,8 @@ def test_a_tenant_drafts_from_its_own_outputs_only(tenants_server):
 
 @pytest.mark.parametrize("field,value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("logit_bias", {"42": 5}),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1),
-    ("min_p", 0.1),
     ("best_of", 3),
+    ("suffix", "and then"),
 ])
 def test_a_field_not_honoured_is_refused_not_dropped(server, field, value):
     status, reply = post(server, {"prompt": "Hello", "max_tokens": 2, field: value})

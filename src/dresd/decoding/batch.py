@@ -49,7 +49,7 @@ from dresd.decoding.budget import (
     batch_budget,
     restrict,
 )
-from dresd.decoding.constraint import Constraint, TreeMasks, constrain_drafts, forced_nodes
+from dresd.decoding.constraint import Constraint, constrain_drafts, forced_nodes
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import (
     LlamaForward,
@@ -59,6 +59,7 @@ from dresd.decoding.forward import (
     supports_tree_attention,
 )
 from dresd.decoding.prefix_cache import Hit, PrefixCache
+from dresd.decoding.processing import NodeLogits, Penalties
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample, token_logprobs
 from dresd.decoding.stopping import StoppingRule
 from dresd.decoding.tree import DraftTree
@@ -101,6 +102,8 @@ class Request:
     prefill_after: Running | None = None
     # A grammar the output must follow (`constraint.py`): this sequence's own state of it.
     constraint: Constraint | None = None
+    # Penalties and a logit bias (`processing.py`), each tree node's by its own path.
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -434,28 +437,38 @@ class BatchEngine:
                        ancestors=None if linear else tree.ancestor_matrix(self.device),
                        top2=state.request.record_top2)
 
+    def _node_logits(self, state: Running, tree: DraftTree) -> NodeLogits | None:
+        """How the request processes each node's logits (penalties, a grammar), or None."""
+        request = state.request
+        if request.constraint is None and (request.penalties is None
+                                           or not request.penalties.active):
+            return None
+        context = torch.from_numpy(state.context[: state.n])
+        return NodeLogits(tree, request.penalties, request.constraint,
+                          context[: state.prompt_len], context[state.prompt_len:])
+
     def _choose(self, state: Running, output: SegmentOutput) -> int:
-        """The token after the output's last logits row (among those its grammar allows)."""
-        sampling, constraint = state.request.sampling, state.request.constraint
-        masks = None if constraint is None else TreeMasks(
-            constraint, DraftTree.from_drafts(int(state.context[state.n - 1]), []))
+        """The token after the output's last logits row (as the request processes it)."""
+        sampling = state.request.sampling
+        nodes = self._node_logits(state, DraftTree.from_drafts(
+            int(state.context[state.n - 1]), []))
         if sampling is None:
             token = output.greedy[-1]
-            return token if masks is None else masks.greedy(0, token, output.logits[-1])
-        logits = output.logits[-1] if masks is None else masks.masked(0, output.logits[-1])
+            return token if nodes is None else nodes.greedy(0, token, output.logits[-1])
+        logits = output.logits[-1] if nodes is None else nodes.processed(0, output.logits[-1])
         return sample(next_token_probs(logits, sampling), state.generator)
 
     def _accept(self, state: Running, segment: Segment, output: SegmentOutput,
                 forward_started: float) -> list[int]:
-        tree, constraint = state.tree, state.request.constraint
+        tree = state.tree
         # 3b. The longest path the target agrees with, plus its own next token (each chosen
-        #     among the tokens the grammar allows at its node, where there is one).
-        masks = None if constraint is None else TreeMasks(constraint, tree)
+        #     from the node's logits as the request processes them: penalties, a grammar).
+        nodes = self._node_logits(state, tree)
         if state.request.sampling is None:
-            path, bonus = greedy_accept(tree, output.greedy, masks, output.logits)
+            path, bonus = greedy_accept(tree, output.greedy, nodes, output.logits)
         else:
             path, bonus = sampling_accept(tree, output.logits, state.request.sampling,
-                                          state.generator, masks)
+                                          state.generator, nodes)
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         # every node drafted, cut or not, whose parent the emitted tokens reach is a trial: the
         # budget's cut does not keep the estimates from learning the nodes it cut

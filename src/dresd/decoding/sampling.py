@@ -1,8 +1,9 @@
 """Sampling settings and the pure helpers that turn logits into a next-token distribution.
 
 The processing is the one `transformers.generate` applies, in the same order (temperature, then
-top-k, then top-p), so that "the model's own distribution" means the same thing for plain
-decoding and for every speculative method.
+top-k, then top-p, then min-p), so that "the model's own distribution" means the same thing for
+plain decoding and for every speculative method. (A request's penalties, logit bias and grammar
+come before all of them: processing.py.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SamplingConfig:
     top_k: int = 0  # keep the k most likely tokens (0: all)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p (1.0: all)
     seed: int | None = None  # seeds the generator that draws every sample
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely (0: none)
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -35,6 +37,8 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The generator of every sample, on the device the probabilities live on (a CUDA
@@ -48,17 +52,17 @@ class SamplingConfig:
 
 
 def sampling_or_greedy(temperature: float, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None) -> SamplingConfig | None:
+                       seed: int | None = None, min_p: float = 0.0) -> SamplingConfig | None:
     """The sampling settings, or None (greedy) for a temperature below `GREEDY_BELOW`."""
     if not temperature >= 0 or math.isinf(temperature):
         raise UserError(f"temperature must be a finite number >= 0, got {temperature}")
     if temperature < GREEDY_BELOW:
         return None
-    return SamplingConfig(temperature, top_k, top_p, seed)
+    return SamplingConfig(temperature, top_k, top_p, seed, min_p)
 
 
 def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """Temperature, top-k and top-p on logits [..., vocab]; removed tokens get -inf."""
+    """Temperature, top-k, top-p and min-p on logits [..., vocab]; removed tokens get -inf."""
     logits = logits.float() / config.temperature
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -71,6 +75,10 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if config.min_p > 0:
+        # p(t) < min_p * p(best)  <=>  logit(t) < logit(best) + log(min_p)
+        floor = logits.amax(dim=-1, keepdim=True) + math.log(config.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 

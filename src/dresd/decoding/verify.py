@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dresd.decoding.constraint import TreeMasks
+from dresd.decoding.processing import NodeLogits
 from dresd.decoding.sampling import SamplingConfig, next_token_probs, sample
 from dresd.decoding.tree import DraftTree
 
@@ -74,16 +74,16 @@ def classify_divergence(
     return "near_tie" if top - second <= near_tie_tolerance(dtype, top) else "unexplained"
 
 
-def greedy_accept(tree: DraftTree, predicted: Sequence[int], masks: TreeMasks | None = None,
+def greedy_accept(tree: DraftTree, predicted: Sequence[int], nodes: NodeLogits | None = None,
                   logits: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Return (accepted path of node indices starting at the root, bonus token), given the
-    target's argmax at every node (`SegmentOutput.greedy`); under a grammar (`masks`), the
-    argmax among the tokens it allows there (from the node's `logits` row where it differs)."""
+    target's argmax at every node (`SegmentOutput.greedy`); with a request's processing
+    (`nodes`: penalties, a grammar) the argmax of each node's processed `logits` row."""
     path = [0]
     while True:
         token = predicted[path[-1]]
-        if masks is not None:
-            token = masks.greedy(path[-1], token, logits[path[-1]])
+        if nodes is not None:
+            token = nodes.greedy(path[-1], token, logits[path[-1]])
         child = tree.children[path[-1]].get(token)
         if child is None:
             return path, token
@@ -92,13 +92,13 @@ def greedy_accept(tree: DraftTree, predicted: Sequence[int], masks: TreeMasks | 
 
 def sampling_accept(
     tree: DraftTree, logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator,
-    masks: TreeMasks | None = None,
+    nodes: NodeLogits | None = None,
 ) -> tuple[list[int], int]:
     """Return (accepted path of node indices starting at the root, bonus token), sampling;
-    under a grammar (`masks`) from each node's distribution over the tokens it allows."""
+    with a request's processing (`nodes`), from each node's processed distribution."""
     path = [0]
     while True:
-        row = logits[path[-1]] if masks is None else masks.masked(path[-1], logits[path[-1]])
+        row = logits[path[-1]] if nodes is None else nodes.processed(path[-1], logits[path[-1]])
         token = sample(next_token_probs(row, config), generator)
         child = tree.children[path[-1]].get(token)
         if child is None:

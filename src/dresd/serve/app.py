@@ -182,7 +182,8 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         body.check_supported()
         target = engine.target
         settings = request_settings(engine.defaults, max_tokens, body.temperature, body.top_p,
-                                    body.top_k, body.seed, body.stop_strings())
+                                    body.top_k, body.seed, body.stop_strings(), body.min_p)
+        penalties = body.penalties(vocab_size(target))
         logprobs = body.logprobs_wanted()
         engine.check_room(body.n)  # a full queue costs no tokenization
         # Off the event loop: a long prompt's tokenization, or a large schema's compilation,
@@ -201,6 +202,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                            logprobs)
         for job in jobs:
             job.kv_bytes, job.grammar, job.prediction = kv_bytes, grammar, prediction
+            job.penalties = penalties
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if tenant:
@@ -271,12 +273,16 @@ def request_grammar(body: protocol.GenerationFields, target) -> Grammar | None:
             spec, field = calls, "tool_choice"
     if spec is None:
         return None
-    config = target.model.config
-    vocab_size = (getattr(config, "text_config", None) or config).vocab_size
     try:
-        return Grammar.compile(*spec, target.tokenizer, vocab_size)
+        return Grammar.compile(*spec, target.tokenizer, vocab_size(target))
     except GrammarError as err:
         raise RequestError(str(err), param=field) from None
+
+
+def vocab_size(target) -> int:
+    """The model's logits width."""
+    config = target.model.config
+    return (getattr(config, "text_config", None) or config).vocab_size
 
 
 def tenant_of(request: Request) -> str:

@@ -40,6 +40,7 @@ from dresd.decoding.budget import CostCurve
 from dresd.decoding.constraint import Grammar
 from dresd.decoding.kv_cache import INITIAL_CAPACITY
 from dresd.decoding.prefix_cache import PrefixCache
+from dresd.decoding.processing import Penalties
 from dresd.decoding.sampling import sampling_or_greedy
 from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.drafters.prediction import WithPrediction
@@ -135,6 +136,7 @@ class Job:
         self.kv_bytes = 0  # the KV cache it may hold (`Engine.kv_need`)
         self.grammar: Grammar | None = None  # what its output must follow
         self.prediction: list[int] | None = None  # the output the client expects (drafted)
+        self.penalties: Penalties | None = None  # its logit processing (processing.py)
 
     def post(self, kind: str, payload: object) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -333,7 +335,7 @@ class Engine:
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,
                             cache_salt=job.cache_salt, logprobs=job.logprobs,
-                            prefill_after=sibling,
+                            prefill_after=sibling, penalties=job.penalties,
                             constraint=job.grammar.start() if job.grammar else None)
 
     def batch(self) -> BatchEngine:
@@ -582,6 +584,7 @@ def request_settings(
     top_k: int | None,
     seed: int | None,
     stop: list[str],
+    min_p: float | None = None,
 ) -> GenerationSettings:
     """A request's generation settings: its own fields, else the command line's defaults.
     Temperature 0 (or below `GREEDY_BELOW`) is greedy, and then top_p / top_k / seed do not
@@ -602,7 +605,8 @@ def request_settings(
             temperature,
             top_k=top_k if top_k is not None else (base.top_k if base else 0),
             top_p=top_p if top_p is not None else (base.top_p if base else 1.0),
-            seed=seed if seed is not None else (base.seed if base else None))
+            seed=seed if seed is not None else (base.seed if base else None),
+            min_p=min_p if min_p is not None else (base.min_p if base else 0.0))
     except UserError as err:  # "temperature must ...", "top_p must ...": the field first
         raise RequestError(str(err), param=str(err).split(" ", 1)[0]) from None
     if max_tokens is not None and max_tokens < 1:

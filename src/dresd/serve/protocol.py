@@ -17,20 +17,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dresd.decoding.processing import Penalties
 from dresd.metrics import TokenLogprob
 from dresd.serve.engine import REQUEST_DRAFTER_OPTIONS, RequestError
 from dresd.serve.tool_calls import check_tools, render_tools_prompt
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (OpenAI's chat limit)
 MAX_CHOICES = 16  # `n` at most: each choice is a sequence in the batch
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name
 # Fields of OpenAI's API (and vLLM's, llama-server's) that this server does not honour yet. A
 # client that sends one expects its effect (a tool call, a JSON object, a penalty): each is
 # refused with a 400 naming it, unless its value is the one that changes nothing (clients
 # such as LangChain send `presence_penalty: 0` and `logit_bias: {}` with every request).
 NOT_HONOURED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                "logit_bias", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "min_p", "best_of", "suffix", "chat_template_kwargs",
-                "reasoning_effort", "modalities", "audio", "web_search_options")
+                "best_of", "suffix", "chat_template_kwargs", "reasoning_effort", "modalities",
+                "audio", "web_search_options")
 # (the chat endpoint declares `tools`, `tool_choice`, `parallel_tool_calls` and
 # `chat_template_kwargs` as its own fields: there they are honoured, not refused)
 # Where a request asks for structured output, by the API that named it: OpenAI's
@@ -74,6 +75,12 @@ class GenerationFields(BaseModel):
     grammar: str | None = None
     # OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}
     prediction: dict | None = None
+    # logit processing (decoding/processing.py), each tree node's by its own path
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
     # dresd's own, from the request body
     method: str | None = None
     datastore: str | None = None
@@ -130,6 +137,29 @@ class GenerationFields(BaseModel):
                 "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "grammar", "grammar": "grammar"}[name]
         return kind, value
+
+    def penalties(self, vocab_size: int) -> Penalties | None:
+        """The request's penalties and logit bias, checked as OpenAI and vLLM check them."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be from -2 to 2", param=name)
+        if not 0 < self.repetition_penalty <= 2:
+            raise RequestError("repetition_penalty must be > 0 and <= 2",
+                               param="repetition_penalty")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens",
+                               param="logit_bias")
+        tokens: dict[int, float] = {}
+        for key, value in bias.items():
+            if not key.isdigit() or int(key) >= vocab_size or not -100 <= value <= 100:
+                raise RequestError(f"logit_bias maps token ids (0 to {vocab_size - 1}) to "
+                                   f"values from -100 to 100; got {key!r}: {value}",
+                                   param="logit_bias")
+            tokens[int(key)] = value
+        penalties = Penalties(self.presence_penalty, self.frequency_penalty,
+                              self.repetition_penalty, tokens)
+        return penalties if penalties.active else None
 
     def prediction_text(self) -> str | None:
         """The predicted output's text, or None."""
