@@ -373,9 +373,14 @@ def save_transformers_folder(model, folder: Path) -> Path:
 
 
 def llama_cpp_converter() -> Path | None:
-    """llama.cpp's `convert_hf_to_gguf.py`, where benchmarks/peers/ installed its sources."""
+    """llama.cpp's `convert_hf_to_gguf.py`, where benchmarks/peers/ installed its sources and
+    the sentencepiece package it imports for a Llama folder's vocabulary (as convert_gguf in
+    benchmarks/peers/llama_cpp_tools.sh installs it)."""
+    import importlib.util
     import os
 
+    if importlib.util.find_spec("sentencepiece") is None:
+        return None
     peers = Path(os.environ.get("PEERS", Path.home() / ".cache/dresd/peers"))
     found = sorted(peers.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     return found[-1] if found else None

@@ -71,7 +71,7 @@ def test_qwen3_without_head_norms_is_wrong(target):
 
 
 @pytest.mark.skipif(llama_cpp_converter() is None,
-                    reason="llama.cpp's sources are not here (benchmarks/peers/ fetches them)")
+                    reason="llama.cpp's converter or sentencepiece is not here (benchmarks/peers/)")
 def test_qwen3_llama_cpps_own_converter_file(model, path, tmp_path):
     """llama.cpp's converter writes the same tensors, bit for bit; dresd runs its file as the
     reference does."""

@@ -124,7 +124,7 @@ def test_llama3_file_fails_without_rope_freqs(files, models, monkeypatch):
 
 
 @pytest.mark.skipif(llama_cpp_converter() is None,
-                    reason="llama.cpp's sources are not here (benchmarks/peers/ fetches them)")
+                    reason="llama.cpp's converter or sentencepiece is not here (benchmarks/peers/)")
 @pytest.mark.parametrize("name", list(ROPES))
 def test_llama_cpps_own_converter_writes_the_same_tensors(models, files, name, tmp_path):
     """The converter's file holds every tensor of `convert_like_llama_cpp`'s, bit for bit
