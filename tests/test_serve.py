@@ -394,6 +394,34 @@ def test_penalties_and_a_logit_bias_give_ar_s_reply_for_every_method(client):
     assert replies["ar"] != chat(client, QUESTIONS[7], max_tokens=24).choices[0].message.content
 
 
+def test_anthropic_messages_whole_streamed_and_with_tools(server, default_references):
+    """The `anthropic` client against /v1/messages: the chat endpoint's own reply, in
+    Anthropic's shapes."""
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    expected = reference(default_references, QUESTIONS[8])
+    ask = [{"role": "user", "content": QUESTIONS[8]}]
+    reply = claude.messages.create(model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS,
+                                   messages=ask, extra_body={"method": "hybrid"})
+    assert reply.content[0].text == expected and reply.role == "assistant"
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.usage.output_tokens > 0
+    with claude.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS,
+                                messages=ask) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == expected and final.stop_reason == reply.stop_reason
+    tools = [{"name": "get_weather", "description": "The weather in a city.",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}]
+    called = claude.messages.create(
+        model="SmolLM2-135M-Instruct", max_tokens=48, tools=tools,
+        tool_choice={"type": "any"}, messages=[{"role": "user", "content": "Weather in Rome?"}])
+    [use] = [block for block in called.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and "city" in use.input and called.stop_reason == "tool_use"
+    status, refused = raw_post(server.url, "/v1/messages", json.dumps({"messages": ask}).encode())
+    assert status == 400 and refused["type"] == "error" and "max_tokens" in str(refused)
+
+
 def test_a_bad_grammar_is_a_400_naming_its_field(client):
     with pytest.raises(openai.BadRequestError, match="cannot be compiled") as refused:
         chat(client, QUESTIONS[5], extra_body={"guided_regex": "(unclosed"})

@@ -336,6 +336,18 @@ def as_tenant(server: LocalServer, tenant: str, body: dict,
         conn.close()
 
 
+def test_anthropic_clients_key_header_names_the_tenant_too(tenants_server):
+    conn = http.client.HTTPConnection("127.0.0.1", tenants_server.port, timeout=60)
+    for key, status in [(TENANT_KEYS["bob"], 200), ("sk-wrong", 401)]:
+        conn.request("POST", "/v1/messages", json.dumps(
+            {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+            {"Content-Type": "application/json", "x-api-key": key})
+        reply = conn.getresponse()
+        reply.read()
+        assert reply.status == status
+    conn.close()
+
+
 def cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -1,6 +1,7 @@
 """The HTTP layer: FastAPI routes over the engine, OpenAI's formats, errors, one log line each.
 
     POST /v1/completions, /v1/chat/completions   whole responses, or server-sent events
+    POST /v1/messages                            Anthropic's Messages API (anthropic.py)
     POST /reset_prefix_cache                     empty the prefix cache (vLLM's route)
     GET  /v1/models, /health, /metrics
 
@@ -22,13 +23,14 @@ from time import perf_counter
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.decoding.constraint import Grammar, GrammarError
 from dresd.drafters.prediction import prediction_tokens
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
-from dresd.serve import chat_output, protocol
+from dresd.serve import anthropic, chat_output, protocol
 from dresd.serve.auth import APIKeyCheck
 from dresd.serve.chat_output import ChatParsers, thinks
 from dresd.serve.engine import (
@@ -48,6 +50,7 @@ from dresd.serve.tool_calls import HermesFormat, select_tool_format, tool_call_g
 
 log = logging.getLogger("dresd.serve")
 
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
 # `usage.prompt_tokens_details.cached_tokens` is rounded down to whole blocks of this many.
 CACHED_TOKENS_BLOCK = 16
 # How often a request waiting for its generation checks that its client is still there.
@@ -93,6 +96,10 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         request.state.log.setdefault("error", message)
         if status >= 400 and request.url.path.startswith("/v1/"):
             metrics.record_rejected(status)
+        if request.url.path == MESSAGES_PATH:  # Anthropic's clients read Anthropic's shape
+            body = anthropic.error_body(protocol.error_body(message, status)["error"]["message"],
+                                        status)
+            return JSONResponse(body, status_code=status)
         return JSONResponse(protocol.error_body(message, status, param), status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -161,6 +168,36 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         newer = body.max_completion_tokens  # OpenAI's newer name wins where both are given
         return await serve(body, newer if newer is not None else body.max_tokens, "chat",
                            request)
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API: the request served as a chat request, the reply (or the
+        stream) turned into Anthropic's shape (anthropic.py)."""
+        try:
+            raw = json.loads(await request.body())
+        except ValueError as err:
+            raise RequestError(f"the body is not valid JSON ({err})") from None
+        try:
+            body = protocol.ChatCompletionRequest.model_validate(anthropic.to_openai(raw))
+        except ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                 for e in err.errors())
+            raise RequestError(f"invalid request: {problems}") from None
+        reply = await serve(body, body.max_tokens, "chat", request)
+        if isinstance(reply, StreamingResponse):
+            return StreamingResponse(anthropic_events(reply), media_type="text/event-stream")
+        if reply.status_code != 200:
+            return reply
+        return JSONResponse(anthropic.from_openai(json.loads(reply.body)))
+
+    async def anthropic_events(reply: StreamingResponse) -> AsyncIterator[str]:
+        stream = anthropic.MessageStream(model_name)
+        async for piece in reply.body_iterator:
+            text = piece if isinstance(piece, str) else piece.decode()
+            for event in text.split("\n\n"):
+                if event.startswith("data: {"):
+                    for converted in stream.chunk(json.loads(event[len("data: "):])):
+                        yield converted
 
     async def serve(body: protocol.GenerationFields, max_tokens: int | None, kind: str,
                     request: Request) -> Response:

@@ -2,9 +2,10 @@
 llama.cpp's servers have one, or one per tenant (`--api-key-file`, `read_key_file`): a
 tenant's prefix cache entries, learned drafting tables and figures are its own (app.py).
 
-Every request must carry `Authorization: Bearer KEY`, except `GET /health` (load balancers and
-Ray Serve probe it without credentials) and, with `--metrics-open`, `GET /metrics` (for a
-Prometheus scraper that holds no key). Anything else gets 401 with OpenAI's error object,
+Every request must carry `Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's
+clients send it), except `GET /health` (load balancers and Ray Serve probe it without
+credentials) and, with `--metrics-open`, `GET /metrics` (for a Prometheus scraper that holds
+no key). Anything else gets 401 with OpenAI's error object,
 `{"error": {"message", "type": "invalid_request_error", "param": null, "code":
 "invalid_api_key"}}`, which the `openai` client raises as `AuthenticationError`.
 
@@ -95,17 +96,21 @@ class APIKeyCheck:
     def tenant(self, scope: Scope) -> tuple[str | None, bool]:
         """(the key's tenant, or None where it is not authorized; a key was given). Every key
         is compared, in constant time, so the time taken says nothing of which matched."""
+        token = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return None, True
-                given, found = _digest(token.strip()), None
-                for expected, tenant in self.tenants:
-                    if hmac.compare_digest(given, expected):
-                        found = tenant
-                return found, True
-        return None, False
+                scheme, _, bearer = value.partition(b" ")
+                token = bearer.strip() if scheme.lower() == b"bearer" else b""
+                break
+            if name == b"x-api-key":  # Anthropic's clients send the key so
+                token = value.strip()
+        if token is None:
+            return None, False
+        given, found = _digest(token), None
+        for expected, tenant in self.tenants:
+            if token and hmac.compare_digest(given, expected):
+                found = tenant
+        return found, True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
