@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pydantic
 import pytest
+import torch
 
 from dresd.corpus import CorpusSpec
 from dresd.datastore.dense import DenseBuildConfig, build_dense
@@ -420,6 +421,27 @@ def test_anthropic_messages_whole_streamed_and_with_tools(server, default_refere
     assert use.name == "get_weather" and "city" in use.input and called.stop_reason == "tool_use"
     status, refused = raw_post(server.url, "/v1/messages", json.dumps({"messages": ask}).encode())
     assert status == 400 and refused["type"] == "error" and "max_tokens" in str(refused)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_gives_the_prompts_logprobs_as_lm_eval_asks(server, default_target, max_tokens):
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): the prompt as
+    token ids, `echo`, `logprobs: 1`; each prompt token's logprob is the model's own."""
+    tokenizer = default_target.tokenizer
+    ids = tokenizer("The capital of France is Paris", add_special_tokens=False)["input_ids"]
+    status, reply = raw_post(server.url, "/v1/completions", json.dumps({
+        "model": "SmolLM2-135M-Instruct", "prompt": [ids], "echo": True, "logprobs": 1,
+        "max_tokens": max_tokens, "temperature": 0}).encode())
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(logprobs) == len(ids) + max_tokens and logprobs[0] is None
+    assert choice["text"].startswith(tokenizer.decode(ids))
+    with torch.inference_mode():
+        logits = default_target.model(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+    assert torch.allclose(torch.tensor(logprobs[1:len(ids)]), expected, atol=1e-4)
+    assert reply["usage"]["completion_tokens"] == max_tokens
 
 
 def test_a_bad_grammar_is_a_400_naming_its_field(client):

@@ -44,6 +44,8 @@ class GenerationResult:
     top2_logits: list[tuple[float, float]] | None = None
     cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled
     logprobs: list[TokenLogprob] | None = None  # per new token, where the request asked
+    # per prompt token after the first (each from the row before it), where the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def summarize(results: Iterable[GenerationResult]) -> dict:

@@ -104,6 +104,9 @@ class Request:
     constraint: Constraint | None = None
     # Penalties and a logit bias (`processing.py`), each tree node's by its own path.
     penalties: Penalties | None = None
+    # Keep each prompt token's log-probability (after the first) and this many alternatives
+    # (result.prompt_logprobs): every prompt row is computed, none read from the prefix cache.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -193,9 +196,10 @@ class BatchEngine:
             stopping=StoppingRule(request.max_new_tokens, request.eos_token_ids,
                                   request.stop_strings, request.tokenizer),
             generator=sampling.generator(self.device) if sampling else None,
-            result=GenerationResult(token_ids=[],
-                                    top2_logits=[] if request.record_top2 else None,
-                                    logprobs=[] if request.logprobs is not None else None),
+            result=GenerationResult(
+                token_ids=[], top2_logits=[] if request.record_top2 else None,
+                logprobs=[] if request.logprobs is not None else None,
+                prompt_logprobs=[] if request.prompt_logprobs is not None else None),
             started=clock(self.device),
         )
         self.waiting.append(state)
@@ -304,6 +308,8 @@ class BatchEngine:
         still prefilling)."""
         if not state.prefilling:
             return self._accept(state, segment, output, forward_started)
+        if state.result.prompt_logprobs is not None:
+            self._record_prompt(state, output, state.prefilled, len(segment))
         state.prefilled += len(segment)
         if state.prefilling:
             return None
@@ -359,15 +365,17 @@ class BatchEngine:
         start = state.prefilled
         end = self._chunk_end(start, state)
         last = end == state.prompt_len
+        rows = ("all" if state.request.prompt_logprobs is not None else
+                "last" if last else "none")
         return Segment(state.cache, list(state.request.prompt[start:end]), start,
-                       logits_rows="last" if last else "none", top2=state.request.record_top2)
+                       logits_rows=rows, top2=state.request.record_top2)
 
     def _reuse_prefix(self, state: Running) -> None:
         """Start the prefill after the longest cached prefix of the prompt (its last token
         is always computed afresh: it gives the first token)."""
         state.looked_up = True
-        if self.prefix_cache is None:
-            return
+        if self.prefix_cache is None or state.request.prompt_logprobs is not None:
+            return  # (prompt logprobs need every prompt row's logits: none is skipped)
         request = state.request
         state.hold = self.prefix_cache.lookup(request.prompt, request.cache_salt, state.cache,
                                               limit=state.prompt_len - 1)
@@ -506,6 +514,18 @@ class BatchEngine:
         if result.logprobs is not None:
             result.logprobs.extend(token_logprobs(output.logits[rows], tokens,
                                                   state.request.logprobs))
+
+    @staticmethod
+    def _record_prompt(state: Running, output: SegmentOutput, start: int, rows: int) -> None:
+        """The log-probabilities of the prompt tokens this chunk's rows predict: row j, at
+        position start + j, predicts the prompt's token start + j + 1 (the chunk's last row,
+        past the prompt's end, predicts the first new token: `_record` keeps that one)."""
+        prompt = state.request.prompt
+        predicted = min(rows, state.prompt_len - 1 - start)
+        if predicted > 0:
+            state.result.prompt_logprobs.extend(token_logprobs(
+                output.logits[:predicted], list(prompt[start + 1:start + 1 + predicted]),
+                state.request.prompt_logprobs))
 
     def _emit(self, state: Running, emitted: list[int]) -> bool:
         """Append the step's tokens; True when the sequence is done."""

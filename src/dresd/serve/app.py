@@ -218,6 +218,10 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
                                param="model")
         body.check_supported()
         target = engine.target
+        echo = isinstance(body, protocol.CompletionRequest) and body.echo_wanted()
+        only_prompt = echo and max_tokens == 0  # the prompt's logprobs and nothing more
+        if only_prompt:
+            max_tokens = 1  # (one token is generated, and left out of the reply)
         settings = request_settings(engine.defaults, max_tokens, body.temperature, body.top_p,
                                     body.top_k, body.seed, body.stop_strings(), body.min_p)
         penalties = body.penalties(vocab_size(target))
@@ -240,6 +244,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         for job in jobs:
             job.kv_bytes, job.grammar, job.prediction = kv_bytes, grammar, prediction
             job.penalties = penalties
+            job.prompt_logprobs = logprobs if echo else None
         engine.submit(*jobs)
         request.state.log.update(method=plan.method, prompt_tokens=len(prompt_ids))
         if tenant:
@@ -248,9 +253,11 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
             request.state.log["ignored"] = ",".join(json.dumps(name)
                                                     for name in body.ignored_fields())
         make_parsers = chat_parsers(body, target.tokenizer, prompt_ids)
+        echoed = (Echo(body.prompt_text(target.tokenizer, prompt_ids), prompt_ids, only_prompt)
+                  if echo else None)
         runs = [Generation(job, target.tokenizer, settings.stop_strings, request, metrics,
                            arrived, index, alive=lambda: engine.healthy,
-                           parsers=make_parsers() if make_parsers else None)
+                           parsers=make_parsers() if make_parsers else None, echo=echoed)
                 for index, job in enumerate(jobs)]
         choices = Choices(runs, request, protocol.new_id("chatcmpl" if kind == "chat"
                                                          else "cmpl"))
@@ -366,6 +373,31 @@ class ClientGone(Exception):
     """The client closed the connection before its response was complete."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """Completions' `echo`: the prompt's text and ids, given back before the completion;
+    `only`: `max_tokens: 0`, the prompt alone (its logprobs are what the client wants)."""
+
+    text: str
+    ids: list[int]
+    only: bool
+
+    def text_of(self, completion: str) -> str:
+        return self.text if self.only else self.text + completion
+
+    def logprobs_of(self, run: Generation) -> dict | None:
+        """The prompt's logprobs, then the completion's (every token: a client such as
+        lm-evaluation-harness counts them by position)."""
+        if run.job.logprobs is None:
+            return None
+        tokenizer = run.tokenizer
+        body = protocol.echo_logprobs(self.ids, run.result.prompt_logprobs or [], tokenizer)
+        if self.only:
+            return body
+        return protocol.join_logprobs(body, protocol.completion_logprobs(
+            run.result.logprobs or [], tokenizer))
+
+
 class Generation:
     """One generation (a request's choice) as the event loop sees it: the job's events,
     turned into text pieces and logprobs, with its figures recorded at the end."""
@@ -373,8 +405,9 @@ class Generation:
     def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  request: Request, metrics: ServerMetrics, arrived: float,
                  index: int = 0, alive: Callable[[], bool] = lambda: True,
-                 parsers: ChatParsers | None = None) -> None:
+                 parsers: ChatParsers | None = None, echo: Echo | None = None) -> None:
         self.job = job
+        self.echo = echo  # the prompt to give back before the completion (completions' echo)
         self.parsers = parsers  # a chat choice's reasoning and tool call parsers, if any
         self.alive = alive  # whether the engine's worker still runs: else nothing will come
         self.request = request
@@ -492,9 +525,9 @@ class Choices:
         if prediction is not None:  # summed over the choices, as completion_tokens is
             each = [prediction_tokens(prediction, run.result.token_ids) for run in self.runs]
             counts = (sum(a for a, _ in each), sum(r for _, r in each))
-        return protocol.usage(len(self.runs[0].job.prompt_ids),
-                              sum(len(run.result.token_ids) for run in self.runs), cached,
-                              counts)
+        completion = sum(len(run.result.token_ids) for run in self.runs
+                         if run.echo is None or not run.echo.only)
+        return protocol.usage(len(self.runs[0].job.prompt_ids), completion, cached, counts)
 
     def record(self) -> None:
         for run in self.runs:
@@ -522,6 +555,10 @@ class Choices:
                     for run, text in zip(self.runs, texts, strict=True)]
         choices = [protocol.choice_body(kind, run.index, message, run.finish_reason(),
                                         run.logprobs(kind, run.result.logprobs or []))
+                   if run.echo is None else
+                   protocol.choice_body(kind, run.index, run.echo.text_of(message),
+                                        "length" if run.echo.only else run.finish_reason(),
+                                        run.echo.logprobs_of(run))
                    for run, message in zip(self.runs, messages, strict=True)]
         return JSONResponse(protocol.completion_body(
             kind, self.request_id, self.created, model, choices, self.usage(),

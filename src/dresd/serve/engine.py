@@ -137,6 +137,7 @@ class Job:
         self.grammar: Grammar | None = None  # what its output must follow
         self.prediction: list[int] | None = None  # the output the client expects (drafted)
         self.penalties: Penalties | None = None  # its logit processing (processing.py)
+        self.prompt_logprobs: int | None = None  # alternatives per prompt token (echo)
 
     def post(self, kind: str, payload: object) -> None:
         """From the worker thread: hand an event to the request's event loop."""
@@ -336,6 +337,7 @@ class Engine:
                             on_tokens=job.on_tokens, budget=self.budget,
                             cache_salt=job.cache_salt, logprobs=job.logprobs,
                             prefill_after=sibling, penalties=job.penalties,
+                            prompt_logprobs=job.prompt_logprobs,
                             constraint=job.grammar.start() if job.grammar else None)
 
     def batch(self) -> BatchEngine:

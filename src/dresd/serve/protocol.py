@@ -223,8 +223,14 @@ def _alternatives(value: object, param: str) -> int:
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str]
-    echo: bool = False
+    # text, or token ids (as lm-evaluation-harness sends them); one prompt per request
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False  # the prompt before the completion, with its logprobs where asked
+
+    def echo_wanted(self) -> bool:
+        if self.echo and self.stream:
+            raise RequestError("echo is served whole, not streamed", param="echo")
+        return self.echo
 
     def logprobs_wanted(self) -> int | None:
         """Completions: `logprobs` is the number of alternatives (0: the token's own)."""
@@ -234,14 +240,25 @@ class CompletionRequest(GenerationFields):
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The raw text tokenized as it is (as `dresd generate --no-chat-template`)."""
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        one = isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int))
+        prompts = [self.prompt] if one else self.prompt
         if len(prompts) != 1:
             raise RequestError("this server takes one prompt per request", param="prompt")
-        if self.echo:
-            raise RequestError("echo is not supported by this server", param="echo")
-        if not prompts[0].strip():
+        prompt = prompts[0]
+        if isinstance(prompt, list):  # token ids, taken as they are
+            if not prompt or not all(0 <= token < len(tokenizer) for token in prompt):
+                raise RequestError(f"a prompt of token ids holds ids from 0 to "
+                                   f"{len(tokenizer) - 1}, at least one", param="prompt")
+            return list(prompt)
+        if not prompt.strip():
             raise RequestError("the prompt is empty", param="prompt")
-        return tokenizer(prompts[0], add_special_tokens=True)["input_ids"]
+        return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def prompt_text(self, tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+        """The prompt as `echo` gives it back: as sent, or its token ids decoded."""
+        prompt = self.prompt if isinstance(self.prompt, str) or not self.prompt or isinstance(
+            self.prompt[0], int) else self.prompt[0]
+        return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
 class ContentPart(BaseModel):
@@ -414,9 +431,30 @@ def completion_logprobs(entries: list[TokenLogprob], tokenizer: PreTrainedTokeni
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tokenizer.decode([token]): lp for token, lp in e.top}
+            "top_logprobs": [{tokenizer.decode([token]): lp for token, lp in e.top or []}
                              for e in entries],
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[TokenLogprob],
+                  tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The prompt's part of an echoed completion's `logprobs`: each token, its logprob given
+    the tokens before it (None for the first, which nothing predicts), its alternatives."""
+    first = [TokenLogprob(prompt_ids[0], None, None)]  # type: ignore[arg-type]
+    body = completion_logprobs([*first, *entries], tokenizer)
+    body["top_logprobs"][0] = None
+    return body
+
+
+def join_logprobs(head: dict, tail: dict) -> dict:
+    """Two completion `logprobs` one after the other (the tail's offsets moved past the
+    head's text)."""
+    shift = sum(len(token) for token in head["tokens"])
+    return {"tokens": head["tokens"] + tail["tokens"],
+            "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + [offset + shift
+                                                  for offset in tail["text_offset"]]}
 
 
 def finish_reason(stop_reason: str, stop_string_found: bool) -> str:
