@@ -270,14 +270,7 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse what is queued, cancel what runs, then join the worker."""
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancelled.set()
-                job.post("error", RequestError("the server is shutting down", status=503))
+        self._refuse_queued(RequestError("the server is shutting down", status=503))
         self.jobs.put(None)
         if self._worker is not None:
             self._worker.join(timeout)
@@ -453,15 +446,20 @@ class Engine:
         self._jobs.clear()
         if self._held is not None:
             self._held.post("error", failure)
+        self._refuse_queued(failure)
+        if self.on_death is not None:
+            self.on_death()
+
+    def _refuse_queued(self, failure: RequestError) -> None:
+        """Answer every job still in the queue with `failure`; none will run."""
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
-                break
+                return
             if job is not None:
+                job.cancelled.set()
                 job.post("error", failure)
-        if self.on_death is not None:
-            self.on_death()
 
     @property
     def healthy(self) -> bool:
