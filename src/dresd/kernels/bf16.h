@@ -4,9 +4,11 @@
 
 #include <immintrin.h>
 
-/* bf16(value) for 16 floats, to nearest, ties to even (as torch's .to(torch.bfloat16)); NaN
- * stays a quiet NaN. */
-static inline __m256i round_to_bf16(__m512 value) {
+/* bf16(value) for a register of floats, to nearest, ties to even (as torch's
+ * .to(torch.bfloat16)); NaN stays a quiet NaN. The same integer steps on every tier, so the
+ * same bits. */
+#ifdef __AVX512F__
+static inline __m256i round_to_bf16(__m512 value) {  /* 16 floats */
     __m512i bits = _mm512_castps_si512(value);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
@@ -14,5 +16,17 @@ static inline __m256i round_to_bf16(__m512 value) {
     rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
+#else
+static inline __m128i round_to_bf16(__m256 value) {  /* 8 floats */
+    __m256i bits = _mm256_castps_si256(value);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)),
+                                 nan);
+    __m256i top = _mm256_srli_epi32(rounded, 16);  /* 0..65535: packing it saturates nothing */
+    return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+}
+#endif
 
 #endif

@@ -1,5 +1,6 @@
-/* Batch-invariant linear layer on GGUF-quantized weights, for CPUs with AVX-512 VNNI
- * (dresd/kernels/quant.py repacks the weights and loads it).
+/* Batch-invariant linear layer on GGUF-quantized weights, for CPUs with AVX-512 VNNI, or AVX2
+ * with or without AVX-VNNI (dresd/kernels/quant.py repacks the weights and loads it; vec.h
+ * has each tier's instructions).
  *
  *   y[m, n] = sum over blocks b of 32 k:  dx[m, b] * (d[n, b] * dot[m, n, b] + c[n, b] * sx[m, b])
  *
@@ -22,8 +23,11 @@
  *       (Q6_K: term = fma(c1, sx1, fma(d1, dot1, fma(c0, sx0, d0 * dot0))) over the halves)
  *       acc  = fma(term, dx[m, b], acc)
  *   y[m, n] = acc + bias[n]   (then bf16, to nearest, ties to even, or float32 as it is)
- * Vector lanes run over outputs n (16 per register); rows m and outputs n are independent, so
- * how the work is tiled or threaded never changes an output's operations.
+ * Vector lanes run over outputs n (16 per register, 8 with AVX2); rows m and outputs n are
+ * independent, so how the work is tiled or threaded never changes an output's operations. The
+ * integer dots are exact on every tier (vpdpbusd, or vpmaddubsw where no 16-bit pair can
+ * saturate) and the float operations per output are the ones above on every tier, so every
+ * tier gives the same bits.
  *
  * The weight layout (repacked once by quant.py so that a group streams contiguously): groups
  * of QPARTS panels of 16 outputs (N padded with zero rows to whole groups); per group, per
@@ -46,9 +50,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "vec.h"
 
-#define QLANES 16      /* outputs per panel: one register's float32 lanes */
+#define QLANES 16      /* outputs per panel: one AVX-512 register's float32 lanes */
+#define QSLICES (QLANES / VLANES)  /* registers per panel: 1, or 2 with AVX2 */
 #define QPARTS 2       /* panels computed together (a group), for independent accumulators */
 #ifndef QAHEAD
 #define QAHEAD 4       /* blocks ahead that each block's step prefetches */
@@ -84,108 +89,111 @@ static inline const uint8_t *block_at(QLayout l, const uint8_t *group, int b, in
            + ((int64_t)(b % SUPER) * QPARTS + p) * block_bytes(l);
 }
 
-/* 16 bytes as floats: unsigned (six-bit scales) or signed (Q6_K's). */
-static inline __m512 bytes_ps(const uint8_t *from, int is_signed) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)from);
-    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
-}
-
-static inline __m512 negate(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
-                                                _mm512_set1_epi32((int)0x80000000)));
-}
-
-/* bf16 -> float32 for 16 values. */
-static inline __m512 q_load_bf16(const uint16_t *from) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16));
-}
-
 /* One row of bf16 x (k a multiple of 32) as 8-bit blocks: xq [k], dx [k / 32], and sx [k / 16]
  * the sums of each half block's xq.
  * dx = amax / 127 and xq = round-to-nearest-even(x * (127 / amax)), as llama.cpp's Q8 rows;
  * an all-zero block has dx = 0 and xq = 0. */
 static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, int32_t *sx) {
+    enum { PER_BLOCK = QBLOCK / VLANES, PER_HALF = PER_BLOCK / 2 };  /* registers */
     for (int b = 0; b < k / QBLOCK; b++) {
-        __m512 low = q_load_bf16(x + b * QBLOCK), high = q_load_bf16(x + b * QBLOCK + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low),
-                                                        _mm512_abs_ps(high)));
+        vf value[PER_BLOCK];
+        for (int j = 0; j < PER_BLOCK; j++) value[j] = vf_load_bf16(x + b * QBLOCK + j * VLANES);
+        vf top = vf_abs(value[0]);
+        for (int j = 1; j < PER_BLOCK; j++) top = vf_max(top, vf_abs(value[j]));
+        float amax = vf_reduce_max(top);  /* exact: the same on every tier */
         float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m512 by = _mm512_set1_ps(inverse);
-        __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(low, by));   /* to nearest, even */
-        __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(high, by));
-        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK), _mm512_cvtsepi32_epi8(ql));
-        _mm_storeu_si128((__m128i *)(xq + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(qh));
+        vf by = vf_set1(inverse);
+        sx[2 * b] = sx[2 * b + 1] = 0;
+        for (int j = 0; j < PER_BLOCK; j++) {
+            vi q = vf_to_i32(vf_mul(value[j], by));  /* to nearest, even */
+            vi_store_i8(xq + b * QBLOCK + j * VLANES, q);
+            sx[2 * b + j / PER_HALF] += vi_reduce_add(q);
+        }
         dx[b] = scale;
-        sx[2 * b] = _mm512_reduce_add_epi32(ql);
-        sx[2 * b + 1] = _mm512_reduce_add_epi32(qh);
     }
 }
 
-static inline __m512 load_scales(const uint8_t *from, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)from))
-                : _mm512_loadu_ps((const float *)from);
+/* VLANES scales: float16 (half) or float32 */
+static inline vf load_scales(const uint8_t *from, int half) {
+    return half ? vf_load_f16(from) : vf_loadu((const float *)from);
 }
 
 /* acc + the dot products of w's four-byte groups with x[0]'s four bytes (vpdpbusd). In a tile
  * of several rows x[0] is broadcast from memory, written out: given _mm512_set1_epi32, GCC
  * keeps every row's broadcasts in registers across a tile's panels and spills accumulators.
  * One row has the registers to spare, and runs 6-9% faster with them (K-quants, 1B shapes). */
-static inline __m512i dot_broadcast(const int TILE, __m512i acc, __m512i w, const int32_t *x) {
-    if (TILE == 1) return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x[0]));
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-    return acc;
+static inline vi dot_broadcast(const int TILE, vi acc, vi w, const int32_t *x) {
+#ifdef __AVX512F__
+    if (TILE > 1) {
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+        return acc;
+    }
+#endif
+    return vi_dot4(acc, w, vi_set1_32(x[0]));
 }
 
-/* Panel p's part of block b: its 8 registers of quants (w[r] holds k = 4r .. 4r + 3, whether
- * from bytes or from the low (r even) or high (r odd) nibbles of a packed register), and its
- * scales d, c (l.halves: d, c for k < 16 and d2, c2 for k >= 16). */
+/* The same for bytes up to 255 (Q8_0's q + 128): where vi_dot4 is exact only up to 128, as
+ * the dot of the low nibbles plus 16 times that of the high ones (the same integer). */
+static inline vi dot_full_bytes(const int TILE, vi acc, vi w, const int32_t *x) {
+    if (VDOT_ANY_BYTES) return dot_broadcast(TILE, acc, w, x);
+    const vi low_nibbles = vi_set1_8(0x0f);
+    vi high = dot_broadcast(TILE, vi_zero(), vi_and(vi_srli16(w, 4), low_nibbles), x);
+    return dot_broadcast(TILE, vi_add32(acc, vi_slli32(high, 4)), vi_and(w, low_nibbles), x);
+}
+
+/* Slice h of panel p's part of block b (its lanes VLANES h .. VLANES (h + 1) - 1: with
+ * AVX-512 the whole panel, h = 0): its 8 registers of quants (w[r] holds k = 4r .. 4r + 3,
+ * whether from bytes or from the low (r even) or high (r odd) nibbles of a packed register),
+ * and its scales d, c (l.halves: d, c for k < 16 and d2, c2 for k >= 16). A slice's lanes lie
+ * at a byte offset of h VLANES times the size of one lane's element in every 16-lane row. */
 static inline __attribute__((always_inline)) void load_panel(
-        const QLayout l, const uint8_t *group, int b, int p, __m512i w[8], __m512 *d,
-        __m512 *c, __m512 *d2, __m512 *c2) {
+        const QLayout l, const uint8_t *group, int b, int p, int h, vi w[8], vf *d, vf *c,
+        vf *d2, vf *c2) {
     const uint8_t *block = block_at(l, group, b, p);
+    const int lane0 = h * VLANES;
     if (l.nibbles) {
-        const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+        const vi low_nibbles = vi_set1_8(0x0f);
         for (int r = 0; r < 4; r++) {
-            __m512i packed = _mm512_loadu_si512(block + 64 * r);
-            w[2 * r] = _mm512_and_si512(packed, low_nibbles);
-            w[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+            vi packed = vi_load(block + 64 * r + 4 * lane0);
+            w[2 * r] = vi_and(packed, low_nibbles);
+            w[2 * r + 1] = vi_and(vi_srli16(packed, 4), low_nibbles);
         }
         if (l.six) { /* bits 4 and 5 of register r from the plane: a byte's bits 2t, 2t + 1 */
-            const __m512i two_bits = _mm512_set1_epi8(0x03);
+            const vi two_bits = vi_set1_8(0x03);
             for (int plane = 0; plane < 2; plane++) {
-                __m512i high = _mm512_loadu_si512(block + 256 + 64 * plane);
+                vi high = vi_load(block + 256 + 64 * plane + 4 * lane0);
                 for (int t = 0; t < 4; t++) {
-                    __m512i bits = _mm512_and_si512(_mm512_srli_epi16(high, 2 * t), two_bits);
-                    w[4 * plane + t] = _mm512_or_si512(w[4 * plane + t],
-                                                       _mm512_slli_epi16(bits, 4));
+                    vi bits = vi_and(vi_srli16(high, 2 * t), two_bits);
+                    w[4 * plane + t] = vi_or(w[4 * plane + t], vi_slli16(bits, 4));
                 }
             }
         }
     } else {
-        for (int r = 0; r < 8; r++) w[r] = _mm512_loadu_si512(block + 64 * r);
+        for (int r = 0; r < 8; r++) w[r] = vi_load(block + 64 * r + 4 * lane0);
     }
     const uint8_t *scales = block + quant_bytes(l);
-    if (l.kquant) {
+    if (l.kquant) {  /* float16 headers (2 bytes a lane), byte scales (1) */
         int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
-        const uint8_t *header = group + (b / SUPER) * super + p * header_bytes(l);
-        __m512 dsuper = load_scales(header, 1);
-        *d = _mm512_mul_ps(dsuper, bytes_ps(scales, l.halves));
+        const uint8_t *header = group + (b / SUPER) * super + p * header_bytes(l) + 2 * lane0;
+        vf dsuper = load_scales(header, 1);
+        *d = vf_mul(dsuper, vf_load_u8(scales + lane0, l.halves));
         if (l.has_min) {
-            *c = negate(_mm512_mul_ps(load_scales(header + 32, 1), bytes_ps(scales + 16, 0)));
+            *c = vf_negate(vf_mul(load_scales(header + 32, 1),
+                                  vf_load_u8(scales + 16 + lane0, 0)));
         } else {
-            *c = _mm512_mul_ps(*d, _mm512_set1_ps((float)-l.offset));
-            *d2 = _mm512_mul_ps(dsuper, bytes_ps(scales + 16, 1));
-            *c2 = _mm512_mul_ps(*d2, _mm512_set1_ps((float)-l.offset));
+            *c = vf_mul(*d, vf_set1((float)-l.offset));
+            *d2 = vf_mul(dsuper, vf_load_u8(scales + 16 + lane0, 1));
+            *c2 = vf_mul(*d2, vf_set1((float)-l.offset));
         }
         return;
     }
-    *d = load_scales(scales, l.half);
-    *c = l.has_min ? load_scales(scales + (l.half ? 32 : 64), l.half)
-                   : _mm512_mul_ps(*d, _mm512_set1_ps((float)-l.offset));
-    if (l.halves) { /* the second half's scales; c = -offset d */
-        *d2 = load_scales(scales + 64, 0);
-        *c2 = _mm512_mul_ps(*d2, _mm512_set1_ps((float)-l.offset));
+    const int size = l.half ? 2 : 4;  /* bytes of one lane's scale */
+    *d = load_scales(scales + size * lane0, l.half);
+    *c = l.has_min ? load_scales(scales + 16 * size + size * lane0, l.half)
+                   : vf_mul(*d, vf_set1((float)-l.offset));
+    if (l.halves) { /* the second half's scales (float32); c = -offset d */
+        *d2 = load_scales(scales + 64 + 4 * lane0, 0);
+        *c2 = vf_mul(*d2, vf_set1((float)-l.offset));
     }
 }
 
@@ -196,13 +204,14 @@ static inline __attribute__((always_inline)) void qtile(
         const int TILE, const QLayout l, const int8_t *xq, const float *dx, const int32_t *sx,
         int k, const uint8_t *group, const float *bias, void *y, int64_t y_stride, int outputs,
         int out_bf16) {
-    const int blocks = k / QBLOCK, parts = QPARTS;
+    const int blocks = k / QBLOCK, slices = QPARTS * QSLICES;
     const int64_t stride = block_bytes(l);
-    __m512 acc[QMAX_TILE][QPARTS];
-    #pragma GCC unroll 4  /* every loop over i or p unrolled: acc[i][p] stays in registers */
+    const int full_bytes = !l.nibbles && l.offset == 128;  /* Q8_0: bytes up to 255 */
+    vf acc[QMAX_TILE][QPARTS * QSLICES];  /* [row][panel p, slice h: p QSLICES + h] */
+    #pragma GCC unroll 4  /* every loop over i or s unrolled: acc[i][s] stays in registers */
     for (int i = 0; i < TILE; i++)
         #pragma GCC unroll 4
-        for (int p = 0; p < QPARTS; p++) acc[i][p] = _mm512_setzero_ps();
+        for (int s = 0; s < slices; s++) acc[i][s] = vf_zero();
     for (int b = 0; b < blocks; b++) {
         if (b + QAHEAD < blocks) {  /* the block's panels lie together (K: and headers) */
             const char *ahead = (const char *)block_at(l, group, b + QAHEAD, 0);
@@ -210,53 +219,50 @@ static inline __attribute__((always_inline)) void qtile(
                 _mm_prefetch(ahead + line, _MM_HINT_T0);
         }
         #pragma GCC unroll 4
-        for (int p = 0; p < parts; p++) {
-            __m512i w[8];
-            __m512 d, c, d2 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps();
-            load_panel(l, group, b, p, w, &d, &c, &d2, &c2);
+        for (int s = 0; s < slices; s++) {
+            vi w[8];
+            vf d, c, d2 = vf_zero(), c2 = vf_zero();
+            load_panel(l, group, b, s / QSLICES, s % QSLICES, w, &d, &c, &d2, &c2);
             #pragma GCC unroll 4
             for (int i = 0; i < TILE; i++) {
                 const int32_t *x4 = (const int32_t *)(xq + (int64_t)i * k + b * QBLOCK);
                 const int32_t *sums = sx + (int64_t)i * 2 * blocks + 2 * b;
                 /* two independent chains: k < 16 and k >= 16 (exact integers) */
-                __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+                vi low = vi_zero(), high = vi_zero();
                 for (int r = 0; r < 4; r++) {
-                    low = dot_broadcast(TILE, low, w[r], x4 + r);
-                    high = dot_broadcast(TILE, high, w[r + 4], x4 + r + 4);
+                    if (full_bytes) {
+                        low = dot_full_bytes(TILE, low, w[r], x4 + r);
+                        high = dot_full_bytes(TILE, high, w[r + 4], x4 + r + 4);
+                    } else {
+                        low = dot_broadcast(TILE, low, w[r], x4 + r);
+                        high = dot_broadcast(TILE, high, w[r + 4], x4 + r + 4);
+                    }
                 }
-                __m512 term;
+                vf term;
                 if (l.halves) {
-                    term = _mm512_fmadd_ps(c, _mm512_set1_ps((float)sums[0]),
-                                           _mm512_mul_ps(d, _mm512_cvtepi32_ps(low)));
-                    term = _mm512_fmadd_ps(d2, _mm512_cvtepi32_ps(high), term);
-                    term = _mm512_fmadd_ps(c2, _mm512_set1_ps((float)sums[1]), term);
+                    term = vf_fma(c, vf_set1((float)sums[0]), vf_mul(d, vf_from_i32(low)));
+                    term = vf_fma(d2, vf_from_i32(high), term);
+                    term = vf_fma(c2, vf_set1((float)sums[1]), term);
                 } else {
-                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(low, high));
-                    term = _mm512_fmadd_ps(c, _mm512_set1_ps((float)(sums[0] + sums[1])),
-                                           _mm512_mul_ps(d, dot));
+                    vf dot = vf_from_i32(vi_add32(low, high));
+                    term = vf_fma(c, vf_set1((float)(sums[0] + sums[1])), vf_mul(d, dot));
                 }
-                acc[i][p] = _mm512_fmadd_ps(term, _mm512_set1_ps(dx[(int64_t)i * blocks + b]),
-                                            acc[i][p]);
+                acc[i][s] = vf_fma(term, vf_set1(dx[(int64_t)i * blocks + b]), acc[i][s]);
             }
         }
     }
     #pragma GCC unroll 4
     for (int i = 0; i < TILE; i++)
         #pragma GCC unroll 4
-        for (int p = 0; p < parts; p++) {
-            int first = p * QLANES;
+        for (int s = 0; s < slices; s++) {
+            int first = s * VLANES;  /* panel s / QSLICES, its slice s % QSLICES */
             if (first >= outputs) break;
-            __m512 value = acc[i][p];
-            __mmask16 keep = outputs - first >= QLANES ? (__mmask16)0xffff
-                                                       : (__mmask16)((1u << (outputs - first)) - 1);
-            if (bias) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
-            if (out_bf16) {
-                uint16_t *to = (uint16_t *)y + i * y_stride + first;
-                _mm256_mask_storeu_epi16(to, keep, round_to_bf16(value));
-            } else {
-                float *to = (float *)y + i * y_stride + first;
-                _mm512_mask_storeu_ps(to, keep, value);
-            }
+            vf value = acc[i][s];
+            if (bias) value = vf_add(value, vf_load_part(bias + first, outputs - first));
+            if (out_bf16)
+                bf16_store_part((uint16_t *)y + i * y_stride + first, value, outputs - first);
+            else
+                vf_store_part((float *)y + i * y_stride + first, value, outputs - first);
         }
 }
 

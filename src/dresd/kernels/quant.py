@@ -26,8 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from dresd import kernels
 from dresd.errors import DresdError
-from dresd.host import cpu_flags
-from dresd.kernels import BF16_HEADER
+from dresd.kernels import HEADERS
 
 SOURCE = Path(__file__).with_name("quant.c")
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-fopenmp")
@@ -85,12 +84,13 @@ LAYOUTS: dict[Q, Layout] = {
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel (compiled on first use, then cached), or None where it cannot be
-    (no AVX-512 VNNI, no compiler, or DRESD_CPU_QUANT=0)."""
-    if not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
+    """The compiled kernel for this process's tier (compiled on first use, then cached), or
+    None where it cannot be (no kernel tier: a CPU without AVX2; no compiler; or
+    DRESD_CPU_QUANT=0)."""
+    if kernels.tier() is None:
         return None
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_QUANT", "no quantized linears",
-                           includes=(BF16_HEADER,))
+                           includes=HEADERS)
     if library is None:
         return None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -1,0 +1,171 @@
+/* One register of float32 (or int32) lanes, per kernel tier, for linear.c and quant.c: the
+ * tier's compiler flags (dresd/kernels/__init__.py, TIERS) pick the width.
+ *   AVX-512 (avx512bf16, avx512vnni): 16 lanes;  AVX2 (avx2vnni, avx2): 8 lanes.
+ * Each helper does per lane what its AVX-512 instruction does, so a kernel written with them
+ * computes every output with the same float operations on both widths; only the reductions
+ * across lanes (vf_reduce_max, vi_reduce_add) differ in order, and those are exact.
+ * The kernels' packed layouts keep 16 lanes a panel; on AVX2 a panel is two registers
+ * ("slices"), the second reading bytes 32..63 of each 64-byte row of the panel. */
+#ifndef DRESD_VEC_H
+#define DRESD_VEC_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#ifdef __AVX512F__
+#define VLANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_loadu _mm512_loadu_ps
+#define vf_add _mm512_add_ps
+#define vf_mul _mm512_mul_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_max _mm512_max_ps
+#define vf_abs _mm512_abs_ps
+#define vf_reduce_max _mm512_reduce_max_ps
+#define vf_from_i32 _mm512_cvtepi32_ps
+#define vf_to_i32 _mm512_cvtps_epi32      /* to nearest, ties to even */
+#define vi_zero _mm512_setzero_si512
+#define vi_set1_8 _mm512_set1_epi8
+#define vi_set1_32 _mm512_set1_epi32
+#define vi_and _mm512_and_si512
+#define vi_or _mm512_or_si512
+#define vi_add32 _mm512_add_epi32
+#define vi_srli16 _mm512_srli_epi16
+#define vi_slli16 _mm512_slli_epi16
+#define vi_slli32 _mm512_slli_epi32
+#define vi_reduce_add _mm512_reduce_add_epi32
+#define vf_from_bits _mm512_castsi512_ps
+static inline vf vf_negate(vf v) {  /* the sign bit flipped (0 -> -0, as -x) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
+                                                _mm512_set1_epi32((int)0x80000000)));
+}
+static inline vi vi_load(const void *from) { return _mm512_loadu_si512(from); }
+/* VLANES float16 / unsigned or signed bytes -> float32 (exact) */
+static inline vf vf_load_f16(const void *from) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)from));
+}
+static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)from);
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
+}
+static inline vf vf_load_bf16(const uint16_t *from) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16));
+}
+static inline __mmask16 first_lanes(int count) {
+    return count >= VLANES ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+}
+/* the first `count` lanes (0 < count): the others 0, and not read */
+static inline vf vf_load_part(const float *from, int count) {
+    return _mm512_maskz_loadu_ps(first_lanes(count), from);
+}
+static inline void vf_store_part(float *to, vf value, int count) {
+    _mm512_mask_storeu_ps(to, first_lanes(count), value);
+}
+static inline void bf16_store_part(uint16_t *to, vf value, int count) {
+    __m256i rounded = round_to_bf16(value);
+    if (count >= VLANES) _mm256_storeu_si256((__m256i *)to, rounded);
+    else _mm256_mask_storeu_epi16(to, first_lanes(count), rounded);
+}
+/* the four int8 of each lane's 32 bits, saturated (the values here always fit) */
+static inline void vi_store_i8(int8_t *to, vi value) {
+    _mm_storeu_si128((__m128i *)to, _mm512_cvtsepi32_epi8(value));
+}
+/* acc + per lane the four products of w's unsigned bytes with x's signed bytes (exact) */
+#define VDOT_ANY_BYTES 1  /* exact for every unsigned byte */
+static inline vi vi_dot4(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+
+#else /* AVX2, FMA, F16C */
+#define VLANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_loadu _mm256_loadu_ps
+#define vf_add _mm256_add_ps
+#define vf_mul _mm256_mul_ps
+#define vf_fma _mm256_fmadd_ps
+#define vf_max _mm256_max_ps
+#define vf_from_i32 _mm256_cvtepi32_ps
+#define vf_to_i32 _mm256_cvtps_epi32
+#define vi_zero _mm256_setzero_si256
+#define vi_set1_8 _mm256_set1_epi8
+#define vi_set1_32 _mm256_set1_epi32
+#define vi_and _mm256_and_si256
+#define vi_or _mm256_or_si256
+#define vi_add32 _mm256_add_epi32
+#define vi_srli16 _mm256_srli_epi16
+#define vi_slli16 _mm256_slli_epi16
+#define vi_slli32 _mm256_slli_epi32
+#define vf_from_bits _mm256_castsi256_ps
+static inline vf vf_negate(vf v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+static inline vi vi_load(const void *from) { return _mm256_loadu_si256((const __m256i *)from); }
+static inline vf vf_abs(vf value) {
+    return _mm256_and_ps(value, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+}
+static inline float vf_reduce_max(vf value) {  /* exact in any order */
+    __m128 four = _mm_max_ps(_mm256_castps256_ps128(value), _mm256_extractf128_ps(value, 1));
+    four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+}
+static inline int32_t vi_reduce_add(vi value) {  /* exact in any order */
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(value),
+                                 _mm256_extracti128_si256(value, 1));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(four, _mm_shuffle_epi32(four, 0xb1)));
+}
+static inline vf vf_load_f16(const void *from) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)from));
+}
+static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
+    __m128i raw = _mm_loadl_epi64((const __m128i *)from);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+}
+static inline vf vf_load_bf16(const uint16_t *from) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
+}
+/* Partial loads and stores through a buffer: AVX2 has no masked 16-bit store, and this runs
+ * once per output register of a whole row's sum. */
+static inline vf vf_load_part(const float *from, int count) {
+    float lanes[VLANES] = {0};
+    memcpy(lanes, from, sizeof(float) * (count < VLANES ? count : VLANES));
+    return _mm256_loadu_ps(lanes);
+}
+static inline void vf_store_part(float *to, vf value, int count) {
+    float lanes[VLANES];
+    _mm256_storeu_ps(lanes, value);
+    memcpy(to, lanes, sizeof(float) * (count < VLANES ? count : VLANES));
+}
+static inline void bf16_store_part(uint16_t *to, vf value, int count) {
+    uint16_t lanes[VLANES];
+    _mm_storeu_si128((__m128i *)lanes, round_to_bf16(value));
+    memcpy(to, lanes, sizeof(uint16_t) * (count < VLANES ? count : VLANES));
+}
+static inline void vi_store_i8(int8_t *to, vi value) {
+    __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(value),
+                                    _mm256_extracti128_si256(value, 1));
+    _mm_storel_epi64((__m128i *)to, _mm_packs_epi16(words, words));
+}
+#ifdef __AVXVNNI__
+#define VDOT_ANY_BYTES 1
+static inline vi vi_dot4(vi acc, vi w, vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+/* vpmaddubsw adds pairs of products into 16 bits with saturation: exact while each byte of
+ * w is at most 128 (2 x 128 x 127 < 2^15), which quant.c keeps (VDOT_ANY_BYTES 0: it splits
+ * a layout of full bytes into nibbles). */
+#define VDOT_ANY_BYTES 0
+static inline vi vi_dot4(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
+                                                   _mm256_set1_epi16(1)));
+}
+#endif
+#endif
+
+#endif
