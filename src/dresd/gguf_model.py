@@ -779,8 +779,8 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
                         f"GGUF file yet ({', '.join(ARCHITECTURES)}).")
     if quant.kernel() is None or linear_kernel() is None:
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
-                        "a CPU with AVX-512 bf16 and VNNI and a C compiler; this machine has "
-                        "not got them (see `dresd --version`).")
+                        "an x86 CPU with AVX2, FMA and F16C (or AVX-512) and a C compiler; "
+                        "this machine has not got them (see `dresd --version`).")
     sizes = check_model_tensors(reader, path, architecture)
     tensors = _Tensors(reader, path)
     config, tokenizer = config_and_tokenizer(path, reader)

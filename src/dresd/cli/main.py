@@ -63,19 +63,26 @@ def version_text() -> str:
     the C decoder (dresd's kernels), or PyTorch's forward and why."""
     import torch
 
-    from dresd import __version__
+    from dresd import __version__, kernels
     from dresd.host import cpu_model, native_bf16_flags
     from dresd.kernels import decoder
 
     cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
             if torch.cuda.is_available() else "no CUDA device")
     flags = native_bf16_flags()
-    if decoder.kernel() is not None:
-        forward = ("C decoder (dresd/kernels/decoder.c) for bf16 Llama-shaped models; "
+    try:
+        tier, refused = kernels.tier(), None
+    except DresdError as error:  # a DRESD_ISA this CPU cannot run: every run is refused
+        tier, refused = None, str(error)
+    if refused:
+        forward = f"none, every run refused: {refused}"
+    elif decoder.kernel() is not None:
+        forward = (f"C decoder (dresd/kernels/decoder.c, {tier.name} kernels: {tier.summary}; "
+                   "DRESD_ISA picks another) for bf16 Llama-shaped models and GGUF files; "
                    "PyTorch's forward for the rest")
-    elif "avx512_bf16" not in flags:
-        forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels need AVX-512 bf16, "
-                   "which this CPU lacks")
+    elif tier is None:
+        forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels need AVX2, FMA and "
+                   "F16C at least, which this CPU lacks")
     else:
         forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels did not compile "
                    "(no C compiler, a failed compile, or DRESD_CPU_* = 0)")

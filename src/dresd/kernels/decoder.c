@@ -1,5 +1,5 @@
-/* A Llama-shaped decoder's layers in C, bf16, for CPUs with AVX-512 bf16 (dresd/kernels/decoder.py
- * loads it; decoding/forward.py calls it).
+/* A Llama-shaped decoder's layers in C, bf16, for CPUs with AVX-512 or AVX2 (every kernel tier:
+ * dresd/kernels/decoder.py loads it; decoding/forward.py calls it).
  *
  * Why: at one token per sequence, a decode step of a small model is ~300 small operations
  * (norms, rotary embedding, residual adds, cache writes, the SiLU gate) around the linears,
@@ -22,7 +22,9 @@
  * The promise, as the kernels it calls: every row of the output depends only on that row's
  * token, its position, and the cache entries it sees; not on the other rows, sequences or
  * threads. Each element-wise step computes an element from that element alone; each norm sums
- * its own row in a fixed order (16 float32 lanes over the row, then one fixed horizontal sum).
+ * its own row in a fixed order (16 float32 lanes over the row, then one fixed horizontal sum,
+ * `sum_lanes`). These steps are written once, in GCC's vector types (attention.c's `vec`, 16
+ * lanes: two registers with AVX2), and give the same bits on every tier.
  *
  * Rounding follows transformers' bf16 Llama, operation by operation: every tensor between two
  * operations is bf16, and a bf16 product or sum is computed in float32 and rounded once to
@@ -79,31 +81,49 @@ typedef struct {
     const int64_t *mask_strides;
 } Segments;
 
-/* 16 bf16 values as floats: cpu_attention.c's load_bf16, as an intrinsics type. */
-static inline __m512 load_bf16_ps(const uint16_t *from) { return (__m512)load_bf16(from); }
+/* bf16 bits of 16 floats, to nearest, ties to even; NaN a quiet NaN (bf16.h's round_to_bf16,
+ * integer steps: the same bits however they compile). */
+static inline ivec bf16_bits(vec value) {
+    ivec bits = (ivec)value;
+    ivec rounded = bits + 0x7fff + ((bits >> 16) & 1);
+    ivec nan = value != value;
+    rounded = (rounded & ~nan) | ((bits | 0x400000) & nan);
+    return (ivec)((uint32_t __attribute__((vector_size(LANES * 4))))rounded >> 16);
+}
 
-static inline void store_bf16(uint16_t *to, __m512 value) {
-    _mm256_storeu_si256((__m256i *)to, round_to_bf16(value));
+static inline void store_bf16(uint16_t *to, vec value) {
+    half_vec bits = __builtin_convertvector(bf16_bits(value), half_vec);
+    memcpy(to, &bits, sizeof bits);
 }
 
 /* bf16(value) as a float32 again: what a bf16 tensor between two operations holds. */
-static inline __m512 rounded(__m512 value) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(value)),
-                                                 16));
+static inline vec rounded(vec value) { return (vec)(bf16_bits(value) << 16); }
+
+/* The sum of the 16 lanes, in _mm512_reduce_add_ps's order: the two halves of 8, their halves
+ * of 4, lanes (0 + 2, 1 + 3), then those two. */
+static inline float sum_lanes(vec v) {
+    typedef float vec8 __attribute__((vector_size(32)));
+    typedef float vec4 __attribute__((vector_size(16)));
+    vec8 eight = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+                 + __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    vec4 four = __builtin_shufflevector(eight, eight, 4, 5, 6, 7)
+                + __builtin_shufflevector(eight, eight, 0, 1, 2, 3);
+    vec4 two = four + __builtin_shufflevector(four, four, 2, 3, 0, 1);
+    return two[0] + two[1];
 }
 
 /* out = weight * bf16(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm (n a multiple of 16). */
 static void rms_norm(const uint16_t *x, const uint16_t *weight, int n, float eps,
                      uint16_t *out) {
-    __m512 squares = _mm512_setzero_ps();
+    vec squares = {0};
     for (int i = 0; i < n; i += LANES) {
-        __m512 value = load_bf16_ps(x + i);
-        squares = _mm512_fmadd_ps(value, value, squares);
+        vec value = load_bf16(x + i);
+        squares = value * value + squares;  /* one fused multiply-add (-ffp-contract=fast) */
     }
-    float inverse = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)n + eps);
+    float inverse = 1.0f / sqrtf(sum_lanes(squares) / (float)n + eps);
     for (int i = 0; i < n; i += LANES) {
-        __m512 normed = rounded(_mm512_mul_ps(load_bf16_ps(x + i), _mm512_set1_ps(inverse)));
-        store_bf16(out + i, _mm512_mul_ps(load_bf16_ps(weight + i), normed));
+        vec normed = rounded(load_bf16(x + i) * splat(inverse));
+        store_bf16(out + i, load_bf16(weight + i) * normed);
     }
 }
 
@@ -112,13 +132,11 @@ static void rms_norm(const uint16_t *x, const uint16_t *weight, int n, float eps
 static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int head_dim) {
     int half = head_dim / 2;
     for (int d = 0; d < half; d += LANES) {
-        __m512 low = load_bf16_ps(x + d), high = load_bf16_ps(x + half + d);
-        __m512 new_low = _mm512_add_ps(
-            rounded(_mm512_mul_ps(low, load_bf16_ps(cos + d))),
-            rounded(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), high), load_bf16_ps(sin + d))));
-        __m512 new_high = _mm512_add_ps(
-            rounded(_mm512_mul_ps(high, load_bf16_ps(cos + half + d))),
-            rounded(_mm512_mul_ps(low, load_bf16_ps(sin + half + d))));
+        vec low = load_bf16(x + d), high = load_bf16(x + half + d);
+        vec new_low = rounded(low * load_bf16(cos + d)) + rounded((splat(0.0f) - high)
+                                                                 * load_bf16(sin + d));
+        vec new_high = rounded(high * load_bf16(cos + half + d))
+                       + rounded(low * load_bf16(sin + half + d));
         store_bf16(x + d, new_low);
         store_bf16(x + half + d, new_high);
     }
@@ -128,20 +146,20 @@ static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int he
  * overflows), g >= 0: g / (1 + e), g < 0: g e / (1 + e). n a multiple of 16. */
 static void silu_times(const uint16_t *gate, const uint16_t *up, int n, uint16_t *act) {
     for (int i = 0; i < n; i += LANES) {
-        __m512 g = load_bf16_ps(gate + i);
-        __m512 e = (__m512)exp_nonpositive((vec)_mm512_sub_ps(
-            _mm512_setzero_ps(), _mm512_abs_ps(g)));
-        __m512 numerator = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(),
-                                                                    _CMP_LT_OQ), g, e);
-        __m512 silu = _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        store_bf16(act + i, _mm512_mul_ps(rounded(silu), load_bf16_ps(up + i)));
+        vec g = load_bf16(gate + i);
+        vec magnitude = (vec)((ivec)g & 0x7fffffff);
+        vec e = exp_nonpositive(splat(0.0f) - magnitude);
+        ivec negative = g < splat(0.0f);
+        vec numerator = (vec)(((ivec)(g * e) & negative) | ((ivec)g & ~negative));
+        vec silu = numerator / (splat(1.0f) + e);
+        store_bf16(act + i, rounded(silu) * load_bf16(up + i));
     }
 }
 
 /* hidden = bf16(hidden + delta), n a multiple of 16. */
 static void add_residual(uint16_t *hidden, const uint16_t *delta, int n) {
     for (int i = 0; i < n; i += LANES)
-        store_bf16(hidden + i, _mm512_add_ps(load_bf16_ps(hidden + i), load_bf16_ps(delta + i)));
+        store_bf16(hidden + i, load_bf16(hidden + i) + load_bf16(delta + i));
 }
 
 static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m->head_dim; }

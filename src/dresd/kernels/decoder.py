@@ -143,7 +143,7 @@ def kernel() -> ctypes.CDLL | None:
         return None
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
                            includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE,
-                                     kernels.BF16_HEADER))
+                                     *kernels.HEADERS))
     if library is None:
         return None
     decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)

@@ -1,4 +1,5 @@
-/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16 (dresd/kernels/linear.py loads it).
+/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16, or AVX-512 F or AVX2 with FMA
+ * (dresd/kernels/linear.py loads it).
  *
  *   y[m, n] = bf16( (sum_k x[m, k] W[n, k]) + bias[n] ),   sum and bias add in float32,
  *   bf16(): round to nearest, ties to even (as torch's .to(torch.bfloat16)).
@@ -14,7 +15,11 @@
  *             (one instruction lane: the two bf16 products, exact in float32, added to acc
  *             in the order the hardware defines for that lane; DAZ/FTZ, round to nearest)
  *   y[m, n] = bf16(acc + bias[n])   (no bias: bf16(acc))
- * The vector lanes run over outputs n (16 per register), never over k: an output's whole sum
+ * Without AVX-512 bf16 (the avx512vnni and avx2 tiers: vec.h), the same loop with two float32
+ * multiply-adds in place of vdpbf16ps (the products exact, each add rounded):
+ *       acc = fma(x[m, 2p + 1], W[n, 2p + 1], fma(x[m, 2p], W[n, 2p], acc))
+ * so these tiers' sums differ from the bf16 tier's, and are as fixed.
+ * The vector lanes run over outputs n (16 per register, 8 with AVX2), never over k: an output's whole sum
  * is one lane of one register, one instruction per pair of k, in increasing k. Rows m and
  * outputs n are independent of each other, so how the work is tiled (rows sharing a weight
  * load, panels of outputs per thread) changes which lanes and registers compute at the same
@@ -38,17 +43,24 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "vec.h"
 
-#define LANES 16                /* float32 lanes of a register: outputs computed at once */
+#define LANES 16                /* outputs of a part (one AVX-512 register's float32 lanes) */
 /* PARTS, MAX_TILE (at most MAX_CASE), PREFETCH and PREFETCH_FEW can be set with -D to try
  * others (benchmarks/micro/linear_tiles.py); linear.py packs for PARTS = 2. */
 #ifndef PARTS
 #define PARTS 2                 /* registers per panel: independent accumulators */
 #endif
 #define PANEL (PARTS * LANES)   /* outputs per panel */
+#define SLICES (PANEL / VLANES) /* registers of outputs per panel (vec.h: 2, or 4 with AVX2) */
 #ifndef MAX_TILE
+#if defined(__AVX512BF16__)
 #define MAX_TILE 14             /* rows sharing each weight load (14 x 2 accumulators) */
+#elif defined(__AVX512F__)
+#define MAX_TILE 12             /* 24 accumulators beside 4 registers of weights (even, odd) */
+#else
+#define MAX_TILE 2              /* AVX2's 16 registers: 8 accumulators, 8 of weights */
+#endif
 #endif
 #define MAX_CASE 14             /* the largest tile panel_tile has a case for (MAX_TILE <= it) */
 #ifndef PREFETCH
@@ -63,9 +75,9 @@
 static inline __attribute__((always_inline)) void tile(
         const int TILE, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int pairs,
         const float *bias, uint16_t *y, int64_t y_stride, int outputs) {
-    __m512 acc[MAX_CASE][PARTS];
+    vf acc[MAX_CASE][SLICES];
     for (int i = 0; i < TILE; i++)
-        for (int part = 0; part < PARTS; part++) acc[i][part] = _mm512_setzero_ps();
+        for (int part = 0; part < SLICES; part++) acc[i][part] = vf_zero();
     const int32_t *rows[MAX_CASE];
     for (int i = 0; i < TILE; i++) rows[i] = (const int32_t *)(x + i * x_stride);
     for (int p = 0; p < pairs; p++) {
@@ -75,27 +87,38 @@ static inline __attribute__((always_inline)) void tile(
         for (int line = 0; line < PARTS; line++) /* one 64-byte line a part */
             _mm_prefetch((const char *)(w + ahead * 2 * PANEL) + 64 * line, _MM_HINT_T0);
 #endif
-        __m512bh weights[PARTS];
-        for (int part = 0; part < PARTS; part++)
-            weights[part] = (__m512bh)_mm512_loadu_si512(w + part * 2 * LANES);
+#ifdef __AVX512BF16__
+        __m512bh weights[SLICES];
+        for (int part = 0; part < SLICES; part++)
+            weights[part] = (__m512bh)_mm512_loadu_si512(w + part * 2 * VLANES);
         for (int i = 0; i < TILE; i++) {
             __m512bh pair = (__m512bh)_mm512_set1_epi32(rows[i][p]); /* x[2p], x[2p + 1] */
-            for (int part = 0; part < PARTS; part++)
+            for (int part = 0; part < SLICES; part++)
                 acc[i][part] = _mm512_dpbf16_ps(acc[i][part], pair, weights[part]);
         }
+#else
+        vf even[SLICES], odd[SLICES];  /* W[n, 2p], W[n, 2p + 1] as floats (exact) */
+        for (int part = 0; part < SLICES; part++) {
+            vi words = vi_load(w + part * 2 * VLANES);
+            even[part] = vf_from_bits(vi_slli32(words, 16));
+            odd[part] = vf_from_bits(vi_and(words, vi_set1_32((int)0xffff0000u)));
+        }
+        for (int i = 0; i < TILE; i++) {
+            int32_t pair = rows[i][p];  /* x[2p] low, x[2p + 1] high */
+            vf x_even = vf_from_bits(vi_set1_32((int)((uint32_t)pair << 16)));
+            vf x_odd = vf_from_bits(vi_set1_32((int)((uint32_t)pair & 0xffff0000u)));
+            for (int part = 0; part < SLICES; part++)
+                acc[i][part] = vf_fma(x_odd, odd[part], vf_fma(x_even, even[part], acc[i][part]));
+        }
+#endif
     }
     for (int i = 0; i < TILE; i++)
-        for (int part = 0; part < PARTS; part++) {
-            int first = part * LANES;
+        for (int part = 0; part < SLICES; part++) {
+            int first = part * VLANES;
             if (first >= outputs) break;
-            __m512 value = acc[i][part];
-            if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(bias + first));
-            __m256i out = round_to_bf16(value);
-            uint16_t *to = y + i * y_stride + first;
-            if (outputs - first >= LANES)
-                _mm256_storeu_si256((__m256i *)to, out);
-            else
-                _mm256_mask_storeu_epi16(to, (__mmask16)((1u << (outputs - first)) - 1), out);
+            vf value = acc[i][part];
+            if (bias) value = vf_add(value, vf_loadu(bias + first));
+            bf16_store_part(y + i * y_stride + first, value, outputs - first);
         }
 }
 

@@ -1,18 +1,19 @@
-"""A batch-invariant bf16 linear layer in C, for CPUs with AVX-512 bf16 (`kernels/linear.c`).
+"""A batch-invariant bf16 linear layer in C, for CPUs with AVX-512 or AVX2 (`kernels/linear.c`).
 
 Why: a bf16 decode step on a CPU is mostly linear layers streaming their weights, and the
 project's exactness rule needs every output row bit for bit independent of the rows that share
 its call. oneDNN (`fastpath.PackedLinear`) gives that only from two rows up, and streams the
 weights at about half what one core can read. This kernel sums every output in one fixed order
 (`kernels/linear.c`'s header: one vector lane per output, one `vdpbf16ps` per pair of k, in
-increasing k), so any row count and any thread count give the same bits, and it reads the
-weights in a layout packed once (`pack`) that streams contiguously.
+increasing k; two float32 multiply-adds in its place on tiers without AVX-512 bf16), so any
+row count and any thread count give the same bits, and it reads the weights in a layout packed
+once (`pack`) that streams contiguously.
 
 It is compiled once per machine (`kernels.load`, with OpenMP: torch's own libgomp, already
 loaded in the process, serves it) into `$DRESD_CACHE/kernels/`. `kernel()` is None where the
-CPU lacks `avx512_bf16`, where no compiler builds it, or with `DRESD_CPU_LINEAR=0`; callers then
-keep `fastpath.PackedLinear`. The two round differently (another summation order), so one
-process uses one of them for every method.
+CPU runs no kernel tier (`kernels.tier()`: AVX2 at least), where no compiler builds it, or
+with `DRESD_CPU_LINEAR=0`; callers then keep `fastpath.PackedLinear`. The two round
+differently (another summation order), so one process uses one of them for every method.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 
 from dresd import kernels
 from dresd.fastpath import PackedLinear
-from dresd.host import cpu_flags
-from dresd.kernels import BF16_HEADER
+from dresd.kernels import HEADERS
 
 SOURCE = Path(__file__).with_name("linear.c")
 # No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).
@@ -37,10 +37,10 @@ PANEL = 32  # outputs per panel of the packed layout (kernels/linear.c's PANEL)
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
-    if "avx512_bf16" not in cpu_flags():
+    if kernels.tier() is None:
         return None
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_LINEAR", "oneDNN linears",
-                           includes=(BF16_HEADER,))
+                           includes=HEADERS)
     if library is None:
         return None
     function = library.dresd_linear
