@@ -9,9 +9,11 @@ otherwise), then:
    field the server knows, random types, out-of-range values, unknown fields), back to back.
 
 Checked and reported: responses by status (a 5xx is a failure), every good output against its
-reference, the server's resident memory (VmRSS) sampled every 10 s, flat within 5% of its
-value after the first minute (the warm-up's allocations), and that /health answers 200 at the
-end. Traffic goes to 127.0.0.1 only, and the run stops by itself, the server with it.
+reference, the server's resident memory (VmRSS) sampled every 10 s beside the prefix cache's
+bytes (`dresd:prefix_cache_bytes`: it grows, by design, until `--prefix-cache-mb`), flat
+within 5% of its value after the first minute (the warm-up's allocations) once the cache is
+full, and that /health answers 200 at the end. Traffic goes to 127.0.0.1 only, and the run
+stops by itself, the server with it.
 
     PYTHONPATH=src .venv/bin/python benchmarks/soak.py --minutes 30 --clients 16 \
         --out benchmarks/results/soak
@@ -108,6 +110,20 @@ def good_text(port: int, prompt: str, method: str, stream: bool,
                            if e.get("choices"))
 
 
+def cache_mb(port: int) -> float:
+    """The server's prefix cache, in MB (its /metrics gauge)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith("dresd:prefix_cache_bytes"):
+            return float(line.split()[-1]) / 2**20
+    return 0.0
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -123,11 +139,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--method", default="hybrid")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256,
+                        help="small enough to fill in the first minutes, so that what grows "
+                             "after is not the cache (default 256)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"))
     args = parser.parse_args()
 
     server = LocalServer(["--threads", str(args.threads), "--method", args.method,
-                          "--dtype", "float32", "--max-queue", str(4 * args.clients)])
+                          "--dtype", "float32", "--max-queue", str(4 * args.clients),
+                          "--prefix-cache-mb", str(args.prefix_cache_mb)])
     with server:
         port, pid = server.port, server.process.pid
         # 1. References, alone: greedy, so every method and every load gives the same text.
@@ -163,7 +183,7 @@ def main() -> None:
         for thread in threads:
             thread.start()
         while any(thread.is_alive() for thread in threads):
-            memory.append((time.monotonic() - started, rss_mb(pid)))
+            memory.append((time.monotonic() - started, rss_mb(pid), cache_mb(port)))
             time.sleep(10)
         for thread in threads:
             thread.join()
@@ -172,8 +192,11 @@ def main() -> None:
         health = conn.getresponse().status
         conn.close()
 
-    settled = [mb for at, mb in memory if at >= 60] or [mb for _, mb in memory]
+    settled = [mb for at, mb, _ in memory if at >= 60] or [mb for _, mb, _ in memory]
     drift = (max(settled) - min(settled)) / min(settled)
+    full = max(cache for _, _, cache in memory)  # after the cache has filled, RSS must be flat
+    after_full = [mb for _, mb, cache in memory if cache >= 0.95 * full] or settled
+    drift_after_full = (max(after_full) - min(after_full)) / min(after_full)
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu": cpu_model(), "threads": args.threads, "clients": args.clients,
@@ -182,14 +205,20 @@ def main() -> None:
         "responses_5xx": sum(n for status, n in statuses.items() if status >= 500),
         "good_requests_by_method": dict(good_runs), "good_outputs_differing": len(mismatches),
         "mismatches": mismatches[:20],
+        "prefix_cache_mb": args.prefix_cache_mb,
         "rss_mb_after_first_minute": {"min": min(settled), "max": max(settled),
                                       "drift": round(drift, 4)},
-        "rss_mb_samples": [(round(at), round(mb, 1)) for at, mb in memory],
+        "rss_mb_once_the_prefix_cache_is_full": {
+            "samples": len(after_full), "min": min(after_full), "max": max(after_full),
+            "drift": round(drift_after_full, 4)},
+        "samples_seconds_rss_mb_prefix_cache_mb": [(round(at), round(mb, 1), round(cache, 1))
+                                                   for at, mb, cache in memory],
         "health_at_end": health,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "rss_mb_samples"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items()
+                      if k != "samples_seconds_rss_mb_prefix_cache_mb"}, indent=1))
 
 
 if __name__ == "__main__":
