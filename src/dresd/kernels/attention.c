@@ -20,10 +20,16 @@
  * Every row runs the same instructions whatever the batch or key count: no scalar remainder
  * loops (keys are padded to whole blocks of BLOCK, the head size is a multiple of BLOCK), so
  * the compiler's fusing of multiply-adds (-ffp-contract=fast) is the same for every row too.
+ *
+ * With AVX2 but not AVX-512 (the avx2 and avx2vnni tiers), the scores, the weighted sums and
+ * the transposition are written in 8-lane intrinsics, in tiles that fit AVX2's 16 registers
+ * (16 keys or 16 dims by up to ROWS rows): the same float operations per key and per dim, in
+ * the same order, as the 16-lane code they stand for (each multiply-add one fused vfmadd, as
+ * -ffp-contract=fast makes of it), so the same bits; only faster (the 16-lane code spills).
  */
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <string.h>
@@ -115,6 +121,30 @@ static inline __attribute__((always_inline)) void score_rows(
                 _mm512_storeu_ps(scores[i] + block + part * LANES, acc[i][part]);
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* As the portable score_rows below, 16 keys (two registers) at a time: acc = fma(q[d], k[j][d],
+ * acc) for d = 0, 1, 2, ... per key, the same fused multiply-adds in the same order. */
+static inline __attribute__((always_inline)) void score_rows(
+        const int n, const void *const query[ROWS], const void *keys_t, int padded, int dim,
+        float *const scores[ROWS]) {
+    for (int block = 0; block < padded; block += 16) {
+        __m256 acc[ROWS][2];
+        for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int d = 0; d < dim; d++) {
+            const float *row = (const float *)keys_t + (int64_t)d * padded + block;
+            __m256 keys0 = _mm256_loadu_ps(row), keys1 = _mm256_loadu_ps(row + 8);
+            for (int i = 0; i < n; i++) {
+                __m256 q = _mm256_broadcast_ss((const float *)query[i] + d);
+                acc[i][0] = _mm256_fmadd_ps(q, keys0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(q, keys1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            _mm256_storeu_ps(scores[i] + block, acc[i][0]);
+            _mm256_storeu_ps(scores[i] + block + 8, acc[i][1]);
+        }
+    }
+}
 #else
 /* Scores of n (<= ROWS) float query rows against a kv head's keys (keys_t: dim x padded
  * floats, transposed), BLOCK keys at a time; each key's dot product summed in the order
@@ -174,6 +204,43 @@ static inline vec load_bf16(const uint16_t *from) {
     return (vec)(__builtin_convertvector(bits, ivec) << 16);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* As the portable weigh_values below, 16 dims (two registers) at a time: per row and dim,
+ * acc = fma(w[j], v[j], acc) and total += w[j] for j = 0, 1, ..., then acc / total rounded
+ * to bf16: the same operations in the same order. */
+static inline __attribute__((always_inline)) void weigh_values(
+        const int n, const float *const weights[ROWS], const uint16_t *values, int length,
+        int dim, uint16_t *const out[ROWS]) {
+    float total[ROWS] = {0};
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < length; j++) total[i] += weights[i][j];
+    for (int chunk = 0; chunk < dim; chunk += 16) {
+        __m256 acc[ROWS][2];
+        for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int j = 0; j < length; j++) {
+            const uint16_t *row = values + (int64_t)j * dim + chunk;
+            __m256i bits = _mm256_loadu_si256((const __m256i *)row);
+            __m256 value0 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits)), 16));
+            __m256 value1 = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)), 16));
+            for (int i = 0; i < n; i++) {
+                __m256 weight = _mm256_broadcast_ss(weights[i] + j);
+                acc[i][0] = _mm256_fmadd_ps(weight, value0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(weight, value1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            if (!out[i]) continue;
+            float mean[16];
+            __m256 divisor = _mm256_set1_ps(total[i]);
+            _mm256_storeu_ps(mean, _mm256_div_ps(acc[i][0], divisor));
+            _mm256_storeu_ps(mean + 8, _mm256_div_ps(acc[i][1], divisor));
+            for (int lane = 0; lane < 16; lane++) out[i][chunk + lane] = float_to_bf16(mean[lane]);
+        }
+    }
+}
+#else
 /* out[i] = sum_j weights[i][j] values[j] / sum_j weights[i][j] for n rows, key by key in the
  * keys' order (the lanes run over the head dimension, BLOCK dimensions at a time); as bf16.
  * values: length x dim bf16, read as floats (exact) where they are used. */
@@ -201,6 +268,7 @@ static inline __attribute__((always_inline)) void weigh_values(
                             float_to_bf16(acc[i][part][lane] / total[i]);
     }
 }
+#endif
 
 /* The keys transposed so that score_rows' lanes run over keys, zero from length up to padded.
  * With AVX-512 bf16: keys_w[p][j], the 32-bit word of key j holding its dims 2p (low half) and
@@ -232,6 +300,25 @@ static inline void transpose_words(__m512i rows[16]) {
         rows[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
     }
 }
+#elif defined(__AVX2__)
+/* rows[i] <- column i of the 8 x 8 matrix of 32-bit words whose row i was rows[i]. */
+static inline void transpose_words8(__m256 rows[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {    /* pairs of rows interleaved by words */
+        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {    /* four rows' words together, per 128-bit lane */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {       /* the 128-bit lanes of rows 0-3 and of rows 4-7 */
+        rows[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        rows[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
 #endif
 
 static void transpose_keys(const uint16_t *k, int length, int padded, int dim, void *keys_t) {
@@ -253,6 +340,25 @@ static void transpose_keys(const uint16_t *k, int length, int padded, int dim, v
                 _mm512_storeu_si512(to + padded, _mm512_and_si512(
                     rows[i], _mm512_set1_epi32((int)0xffff0000u)));
 #endif
+            }
+        }
+    }
+#elif defined(__AVX2__)
+    /* 8 keys at a time: their rows as 8 x (dim / 2) words, transposed 8 words at a time. */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int j = 0; j < padded; j += 8) {
+        for (int word = 0; word < dim / 2; word += 8) {
+            __m256 rows[8];
+            for (int i = 0; i < 8; i++)
+                rows[i] = j + i < length
+                    ? _mm256_loadu_ps((const float *)(k + (int64_t)(j + i) * dim + 2 * word))
+                    : _mm256_setzero_ps();
+            transpose_words8(rows);
+            for (int i = 0; i < 8; i++) {
+                __m256i words = _mm256_castps_si256(rows[i]);
+                float *to = (float *)keys_t + (size_t)2 * (word + i) * padded + j;
+                _mm256_storeu_si256((__m256i *)to, _mm256_slli_epi32(words, 16));
+                _mm256_storeu_si256((__m256i *)(to + padded), _mm256_and_si256(words, high));
             }
         }
     }
