@@ -59,12 +59,70 @@ static inline uint16_t float_to_bf16(float value) {
 
 static inline vec splat(float value) { return (vec){0} + value; }
 
+/* Conversions between the 16-lane types, as __builtin_convertvector does them: with AVX2 and
+ * no AVX-512, GCC 12 splits some of these into scalar steps per lane, so there they are two
+ * 8-lane instructions each (the same values: exact data movement, or float -> int32 by
+ * truncation, vcvttps2dq, as the conversion is defined). */
+#if !defined(__AVX512F__) && defined(__AVX2__)
+static inline ivec trunc_to_int(vec value) {  /* toward zero; the values here fit */
+    __m256 half[2];
+    memcpy(half, &value, sizeof half);
+    __m256i result[2] = {_mm256_cvttps_epi32(half[0]), _mm256_cvttps_epi32(half[1])};
+    ivec out;
+    memcpy(&out, result, sizeof out);
+    return out;
+}
+static inline ivec widen_u16(half_vec bits) {  /* zero-extended */
+    __m256i both, result[2];
+    memcpy(&both, &bits, sizeof both);
+    result[0] = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(both));
+    result[1] = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(both, 1));
+    ivec out;
+    memcpy(&out, result, sizeof out);
+    return out;
+}
+static inline half_vec narrow_u16(ivec value) {  /* the low 16 bits; values here 0..65535 */
+    __m256i half[2];
+    memcpy(half, &value, sizeof half);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xd8);
+    half_vec out;
+    memcpy(&out, &packed, sizeof out);
+    return out;
+}
+/* Comparisons, all ones where true, as the vector operators give them (and GCC 12, on AVX2,
+ * compares lane by lane in scalar code): ordered >= and <, and != (true where unordered). */
+#define VEC_COMPARE(name, predicate) \
+    static inline ivec name(vec a, vec b) { \
+        __m256 x[2], y[2]; \
+        memcpy(x, &a, sizeof x); \
+        memcpy(y, &b, sizeof y); \
+        __m256 result[2] = {_mm256_cmp_ps(x[0], y[0], predicate), \
+                            _mm256_cmp_ps(x[1], y[1], predicate)}; \
+        ivec out; \
+        memcpy(&out, result, sizeof out); \
+        return out; \
+    }
+VEC_COMPARE(vec_ge, _CMP_GE_OQ)
+VEC_COMPARE(vec_lt, _CMP_LT_OQ)
+VEC_COMPARE(vec_ne, _CMP_NEQ_UQ)
+#undef VEC_COMPARE
+#else
+static inline ivec trunc_to_int(vec value) { return __builtin_convertvector(value, ivec); }
+static inline ivec widen_u16(half_vec bits) { return __builtin_convertvector(bits, ivec); }
+static inline half_vec narrow_u16(ivec value) {
+    return __builtin_convertvector(value, half_vec);
+}
+static inline ivec vec_ge(vec a, vec b) { return a >= b; }
+static inline ivec vec_lt(vec a, vec b) { return a < b; }
+static inline ivec vec_ne(vec a, vec b) { return a != b; }
+#endif
+
 /* exp(x) for x <= 0, within 1 ulp (0.87 at worst, measured on [-87, 0]): x = n ln2 + r with
  * |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 / 7!, times 2^n built in the exponent
  * bits; 0 below -87 (2^n would be subnormal). */
 static inline vec exp_nonpositive(vec x) {
     const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    ivec keep = x >= splat(-87.0f);        /* all ones where x >= -87 (-inf: all zeros) */
+    ivec keep = vec_ge(x, splat(-87.0f));       /* all ones where x >= -87 (-inf: all zeros) */
     x = (vec)((ivec)x & keep);             /* below -87: computed as exp(0), zeroed at the end */
     vec n = (x * splat(1.44269504f) + splat(round_magic)) - splat(round_magic);
     vec r = (x - n * splat(0.693145752f)) - n * splat(1.42860677e-6f);
@@ -76,7 +134,7 @@ static inline vec exp_nonpositive(vec x) {
     p = p * r + splat(0.5f);
     p = p * r + splat(1.0f);
     p = p * r + splat(1.0f);
-    ivec scale_bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    ivec scale_bits = (trunc_to_int(n) + 127) << 23;
     return (vec)((ivec)(p * (vec)scale_bits) & keep);
 }
 
@@ -184,10 +242,11 @@ static int weigh_row(float *scores, const uint16_t *mask, int length, int padded
             for (int lane = 0; lane < LANES && j + lane < length; lane++)
                 bias[lane] = bf16_to_float(mask[j + lane]);
         vec s = load(scores + j) * splat(scale) + bias;
-        ivec hidden = (lane_index + (float)j >= splat((float)visible_until)) | (s < splat(-1e30f));
+        ivec hidden = vec_ge(lane_index + (float)j, splat((float)visible_until))
+                      | vec_lt(s, splat(-1e30f));
         s = (vec)(((ivec)s & ~hidden) | ((ivec)minus_inf & hidden));
         store(scores + j, s);
-        top = (vec)(((ivec)top & (top >= s)) | ((ivec)s & (top < s))); /* max, exact */
+        top = (vec)(((ivec)top & vec_ge(top, s)) | ((ivec)s & vec_lt(top, s))); /* max */
     }
     float best = top[0];
     for (int lane = 1; lane < LANES; lane++) best = top[lane] > best ? top[lane] : best;
@@ -201,7 +260,7 @@ static int weigh_row(float *scores, const uint16_t *mask, int length, int padded
 static inline vec load_bf16(const uint16_t *from) {
     half_vec bits;
     memcpy(&bits, from, sizeof bits);
-    return (vec)(__builtin_convertvector(bits, ivec) << 16);
+    return (vec)(widen_u16(bits) << 16);
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)

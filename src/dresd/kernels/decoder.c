@@ -86,13 +86,13 @@ typedef struct {
 static inline ivec bf16_bits(vec value) {
     ivec bits = (ivec)value;
     ivec rounded = bits + 0x7fff + ((bits >> 16) & 1);
-    ivec nan = value != value;
+    ivec nan = vec_ne(value, value);
     rounded = (rounded & ~nan) | ((bits | 0x400000) & nan);
     return (ivec)((uint32_t __attribute__((vector_size(LANES * 4))))rounded >> 16);
 }
 
 static inline void store_bf16(uint16_t *to, vec value) {
-    half_vec bits = __builtin_convertvector(bf16_bits(value), half_vec);
+    half_vec bits = narrow_u16(bf16_bits(value));  /* bf16_bits: 0..65535 */
     memcpy(to, &bits, sizeof bits);
 }
 
@@ -149,7 +149,7 @@ static void silu_times(const uint16_t *gate, const uint16_t *up, int n, uint16_t
         vec g = load_bf16(gate + i);
         vec magnitude = (vec)((ivec)g & 0x7fffffff);
         vec e = exp_nonpositive(splat(0.0f) - magnitude);
-        ivec negative = g < splat(0.0f);
+        ivec negative = vec_lt(g, splat(0.0f));
         vec numerator = (vec)(((ivec)(g * e) & negative) | ((ivec)g & ~negative));
         vec silu = numerator / (splat(1.0f) + e);
         store_bf16(act + i, rounded(silu) * load_bf16(up + i));
