@@ -229,6 +229,29 @@ static inline __attribute__((always_inline)) void qtile(
                 const int32_t *sums = sx + (int64_t)i * 2 * blocks + 2 * b;
                 /* two independent chains: k < 16 and k >= 16 (exact integers) */
                 vi low = vi_zero(), high = vi_zero();
+#ifdef VDOT_NIBBLES4
+                /* AVX2 without VNNI: four nibble dots summed in 16 bits (vec.h), the same
+                 * integers as below */
+                if ((l.nibbles && !l.six) || full_bytes) {
+                    vi xs[8];
+                    for (int r = 0; r < 8; r++) xs[r] = vi_set1_32(x4[r]);
+                    const vi low_nibbles = vi_set1_8(0x0f);
+                    if (full_bytes) {  /* q = 16 (q >> 4) + (q & 15), each part at most 15 */
+                        vi top[8], bottom[8];
+                        for (int r = 0; r < 8; r++) {
+                            top[r] = vi_and(vi_srli16(w[r], 4), low_nibbles);
+                            bottom[r] = vi_and(w[r], low_nibbles);
+                        }
+                        low = vi_slli32(vi_dot4_nibbles4(vi_zero(), top, xs), 4);
+                        high = vi_slli32(vi_dot4_nibbles4(vi_zero(), top + 4, xs + 4), 4);
+                        low = vi_dot4_nibbles4(low, bottom, xs);
+                        high = vi_dot4_nibbles4(high, bottom + 4, xs + 4);
+                    } else {
+                        low = vi_dot4_nibbles4(low, w, xs);
+                        high = vi_dot4_nibbles4(high, w + 4, xs + 4);
+                    }
+                } else
+#endif
                 for (int r = 0; r < 4; r++) {
                     if (full_bytes) {
                         low = dot_full_bytes(TILE, low, w[r], x4 + r);
