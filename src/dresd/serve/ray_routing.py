@@ -47,6 +47,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -548,14 +549,24 @@ HEALTH_SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"
                 "client": ("127.0.0.1", 0), "server": None}
 
 
+def replica_name() -> str:
+    """This replica's id as Ray Serve names it (a fresh random one outside a replica)."""
+    try:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        tag = getattr(context, "replica_tag", None) or context.replica_id.unique_id
+        return str(tag)
+    except Exception:  # noqa: BLE001 - any Ray version, or no replica context
+        return uuid.uuid4().hex[:8]
+
+
 class ModelReplica:
     """Ray Serve deployment class of a model replica behind the ingress: builds the server's
     app once and starts it, then runs each forwarded request through it. `board`: where its
     /health status goes at each of Ray Serve's health checks, for the ingress to route by."""
 
     async def __init__(self, build: Callable[[], Callable], board: Any = None) -> None:
-        from dresd.serve.ray_serve import replica_name
-
         self.app = build()
         self.lifespan = Lifespan(self.app)
         await self.lifespan.startup()

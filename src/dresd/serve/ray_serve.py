@@ -46,7 +46,6 @@ import copy
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,18 +161,6 @@ class ReplicaHeader:
         await self.app(scope, receive, send_with_header)
 
 
-def replica_name() -> str:
-    """This replica's id as Ray Serve names it (a fresh random one outside a replica)."""
-    try:
-        from ray import serve
-
-        context = serve.get_replica_context()
-        tag = getattr(context, "replica_tag", None) or context.replica_id.unique_id
-        return str(tag)
-    except Exception:  # noqa: BLE001 - any Ray version, or no replica context
-        return uuid.uuid4().hex[:8]
-
-
 def replica_output_path(path: Path | None, replica: str) -> Path | None:
     """`--save-outputs` of one replica: the file's name with the replica's before its suffix,
     so that replicas on a shared folder never write the same file."""
@@ -186,6 +173,8 @@ def build_replica_app(args: argparse.Namespace, build_app: BuildApp, model_name:
     """Run on each replica at its start: the single-process app, reporting to the board."""
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from dresd.serve.ray_routing import replica_name  # (Ray's modules: with --ray only)
+
     replica = replica_name()
     args = argparse.Namespace(**{**vars(args),
                                  "save_outputs": replica_output_path(args.save_outputs, replica)})
