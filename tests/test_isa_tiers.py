@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dresd import kernels
+from dresd import host, kernels
 from dresd.errors import DresdError
 
 HERE = Path(__file__).parent
@@ -54,11 +54,23 @@ def test_tiers_by_flags():
     ice_lake = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
     assert [t.name for t in kernels.runnable_tiers(ice_lake)] == ["avx512vnni", "avx2"]
     assert kernels.runnable_tiers({"sse2", "avx"}) == []
-    assert kernels.runnable_tiers({"asimd", "fphp"}) == []  # aarch64: no tier yet
+    assert kernels.runnable_tiers({"asimd", "fphp"}) == []  # aarch64 without the dot product
+    graviton2 = {"fp", "asimd", "fphp", "asimdhp", "asimddp", "asimdrdm"}
+    assert [t.name for t in kernels.runnable_tiers(graviton2)] == ["neon"]
+    graviton3 = graviton2 | {"i8mm", "bf16", "sve"}
+    assert [t.name for t in kernels.runnable_tiers(graviton3)] == ["neoni8mm", "neon"]
 
 
-@pytest.mark.parametrize("value, message", [("neon", "not a kernel tier"),
-                                            ("avx512bf16", "cannot run it")])
+def test_aarch64_features_are_its_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 243.75\n"
+                       "Features\t: fp asimd evtstrm aes asimddp i8mm\nCPU implementer\t: 0x41\n")
+    assert {"asimd", "asimddp", "i8mm"} <= host.cpu_flags(cpuinfo)
+
+
+@pytest.mark.parametrize("value, message", [("sse9", "not a kernel tier"),
+                                            ("neon", "a tier for aarch64 CPUs|cannot run it"),
+                                            ("avx512bf16", "x86_64 CPUs|cannot run it")])
 def test_a_tier_the_cpu_cannot_run_is_a_clear_error(monkeypatch, value, message):
     if value in {tier.name for tier in kernels.runnable_tiers()}:
         pytest.skip(f"this CPU runs {value}")
@@ -90,7 +102,7 @@ import hashlib, sys
 import gguf, numpy as np, torch
 sys.path.insert(0, "tests")
 from gguf_files import random_blocks
-from dresd import kernels
+from dresd import host, kernels
 from dresd.kernels import quant
 digest = hashlib.sha256()
 rng = np.random.default_rng(3)

@@ -36,8 +36,10 @@ def cpuinfo_field(field: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str | No
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (empty where /proc/cpuinfo does not exist, e.g. macOS)."""
-    return set((cpuinfo_field("flags", cpuinfo) or "").split())
+    """The CPU's feature flags: x86's `flags`, aarch64's `Features` (`asimd asimddp ...`);
+    empty where /proc/cpuinfo does not exist, e.g. macOS."""
+    return set((cpuinfo_field("flags", cpuinfo) or cpuinfo_field("Features", cpuinfo)
+                or "").split())
 
 
 def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:

@@ -12,6 +12,9 @@ names (so that every tier this CPU can be restricted to runs and is tested on it
 tier compiles with -march=native; the others with their own -m flags only, so that a tier
 forced on a newer CPU runs the instructions an older one has. Each tier is batch- and
 thread-invariant in its own fixed order; outputs may differ between tiers (docs/exactness.md).
+On aarch64 the tiers are `neoni8mm` and `neon` (NEON with the dot product; read from
+/proc/cpuinfo's Features, or assumed on macOS's arm64, where every CPU has it), built with
+their own -march; they are tested for exactness under qemu-aarch64 (tests/test_neon_qemu.py).
 
 `$DRESD_KERNEL_FLAGS` adds compiler flags to every kernel's and `$DRESD_KERNEL_DIR` builds them
 elsewhere: the sanitizer test (`tests/test_gguf_distrust.py`) builds them with
@@ -24,6 +27,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +53,7 @@ class Tier:
     needs: frozenset[str]
     flags: tuple[str, ...]
     summary: str  # for `dresd --version`
+    arch: str = "x86_64"  # the machine (platform.machine()) it is for
 
 
 # Best first: where DRESD_ISA is unset, the first the CPU runs is the tier.
@@ -63,12 +68,28 @@ TIERS = (
          ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"), "AVX2 with AVX-VNNI"),
     Tier("avx2", frozenset({"avx2", "fma", "f16c"}),
          ("-mavx2", "-mfma", "-mf16c", "-mno-avx512f"), "AVX2, FMA and F16C"),
+    # aarch64 (vec.h's NEON helpers): i8mm's usdot multiplies full unsigned bytes, where
+    # dotprod's sdot takes Q8_0's as two nibbles (the same integers, so the same bits).
+    Tier("neoni8mm", frozenset({"asimd", "asimddp", "i8mm"}),
+         ("-march=armv8.2-a+dotprod+i8mm",), "NEON with dot product and int8 matmul",
+         "aarch64"),
+    Tier("neon", frozenset({"asimd", "asimddp"}), ("-march=armv8.2-a+dotprod",),
+         "NEON with dot product", "aarch64"),
 )
+
+
+def machine_flags() -> set[str]:
+    """This CPU's flags (`host.cpu_flags`); on macOS's arm64, which has no /proc/cpuinfo, those
+    every Apple CPU has that the aarch64 tiers need (NEON and its dot product)."""
+    flags = cpu_flags()
+    if not flags and platform.machine() == "arm64":
+        return {"asimd", "asimddp"}
+    return flags
 
 
 def runnable_tiers(flags: set[str] | None = None) -> list[Tier]:
     """The tiers a CPU with these flags (this one's by default) runs, best first."""
-    flags = cpu_flags() if flags is None else flags
+    flags = machine_flags() if flags is None else flags
     return [tier for tier in TIERS if tier.needs <= flags]
 
 
@@ -84,8 +105,13 @@ def tier() -> Tier | None:
     names = {tier.name: tier for tier in TIERS}
     if forced not in names:
         raise DresdError(f"DRESD_ISA={forced}: not a kernel tier (one of {', '.join(names)})")
+    machine = platform.machine().lower().replace("arm64", "aarch64").replace("amd64", "x86_64")
+    if names[forced].arch != machine:
+        raise DresdError(f"DRESD_ISA={forced}: a tier for {names[forced].arch} CPUs, and this "
+                         f"machine is {machine}; it runs "
+                         f"{', '.join(t.name for t in runnable) or 'no kernel tier'}")
     if names[forced] not in runnable:
-        missing = sorted(names[forced].needs - cpu_flags())
+        missing = sorted(names[forced].needs - machine_flags())
         raise DresdError(f"DRESD_ISA={forced}: this CPU cannot run it (it lacks "
                          f"{', '.join(missing)}); it runs "
                          f"{', '.join(t.name for t in runnable) or 'no kernel tier'}")

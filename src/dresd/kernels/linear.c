@@ -39,7 +39,6 @@
  * (benchmarks/results/linear_tiles.md: 576->3072 at 8 rows 125 -> 99 us, 1 row 97). Smaller
  * tiles keep 4 KB: 16 KB made a one-row decode step's linears ~3% slower in the model (perf).
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -85,7 +84,7 @@ static inline __attribute__((always_inline)) void tile(
 #if PREFETCH
         const int ahead = TILE <= FEW_ROWS ? PREFETCH_FEW : PREFETCH;
         for (int line = 0; line < PARTS; line++) /* one 64-byte line a part */
-            _mm_prefetch((const char *)(w + ahead * 2 * PANEL) + 64 * line, _MM_HINT_T0);
+            __builtin_prefetch((const char *)(w + ahead * 2 * PANEL) + 64 * line, 0, 3);
 #endif
 #ifdef __AVX512BF16__
         __m512bh weights[SLICES];

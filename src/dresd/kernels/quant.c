@@ -45,7 +45,6 @@
  * then the 8 blocks, each panel's quants followed by 32 bytes: Q4_K, Q5_K: 16 six-bit scales
  * and 16 minimums (c = -dmin * minimum); Q6_K: 16 int8 scales for k < 16, 16 for k >= 16.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -216,7 +215,7 @@ static inline __attribute__((always_inline)) void qtile(
         if (b + QAHEAD < blocks) {  /* the block's panels lie together (K: and headers) */
             const char *ahead = (const char *)block_at(l, group, b + QAHEAD, 0);
             for (int64_t line = 0; line < QPARTS * stride; line += 64)
-                _mm_prefetch(ahead + line, _MM_HINT_T0);
+                __builtin_prefetch(ahead + line, 0, 3);  /* prefetcht0 on x86 */
         }
         #pragma GCC unroll 4
         for (int s = 0; s < slices; s++) {

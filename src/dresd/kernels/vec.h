@@ -1,21 +1,118 @@
 /* One register of float32 (or int32) lanes, per kernel tier, for linear.c and quant.c: the
  * tier's compiler flags (dresd/kernels/__init__.py, TIERS) pick the width.
- *   AVX-512 (avx512bf16, avx512vnni): 16 lanes;  AVX2 (avx2vnni, avx2): 8 lanes.
+ *   AVX-512 (avx512bf16, avx512vnni): 16 lanes;  AVX2 (avx2vnni, avx2): 8 lanes;
+ *   NEON (neon, neoni8mm; aarch64): 4 lanes, a panel four registers.
  * Each helper does per lane what its AVX-512 instruction does, so a kernel written with them
  * computes every output with the same float operations on both widths; only the reductions
  * across lanes (vf_reduce_max, vi_reduce_add) differ in order, and those are exact.
  * The kernels' packed layouts keep 16 lanes a panel; on AVX2 a panel is two registers
- * ("slices"), the second reading bytes 32..63 of each 64-byte row of the panel. */
+ * ("slices"), the second reading bytes 32..63 of each 64-byte row of the panel; on NEON four,
+ * slice h reading bytes 16h..16h + 15. */
 #ifndef DRESD_VEC_H
 #define DRESD_VEC_H
 
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 
-#ifdef __AVX512F__
+#if defined(__aarch64__) && defined(__ARM_NEON)
+/* NEON (the neon tier: armv8.2-a+dotprod; neoni8mm: + i8mm). Every helper is the lane-wise
+ * IEEE operation its x86 counterpart is: vfmaq_f32 the fused multiply-add (vfmadd), vcvtnq
+ * float -> int32 to nearest, ties to even (vcvtps2dq under the default MXCSR), int32 -> float
+ * and float16 -> float as exact or as rounded as x86's; AArch64 Linux runs with FPCR's FZ off,
+ * as x86 with DAZ/FTZ off. So quant.c and linear.c compute each output with the same float
+ * operations in the same order, and give the x86 tiers' bits (linear.c: the avx2 tier's). */
+#define VLANES 4
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+static inline vf vf_zero(void) { return vdupq_n_f32(0.0f); }
+#define vf_set1 vdupq_n_f32
+#define vf_loadu vld1q_f32
+#define vf_add vaddq_f32
+#define vf_mul vmulq_f32
+static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }  /* a b + c, fused */
+#define vf_max vmaxq_f32
+#define vf_abs vabsq_f32
+#define vf_reduce_max vmaxvq_f32      /* exact in any order */
+#define vf_from_i32 vcvtq_f32_s32
+#define vf_to_i32 vcvtnq_s32_f32      /* to nearest, ties to even */
+#define vf_negate vnegq_f32           /* the sign bit flipped (0 -> -0) */
+#define vf_from_bits vreinterpretq_f32_s32
+static inline vi vi_zero(void) { return vdupq_n_s32(0); }
+static inline vi vi_set1_8(int value) { return vreinterpretq_s32_s8(vdupq_n_s8((int8_t)value)); }
+#define vi_set1_32 vdupq_n_s32
+#define vi_and vandq_s32
+#define vi_or vorrq_s32
+#define vi_add32 vaddq_s32
+/* Shifts by a count in a register (vshlq: a negative count shifts right, logically for
+ * unsigned lanes): the counts here are constants, which GCC turns into immediate shifts. */
+static inline vi vi_srli16(vi v, int n) {
+    return vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(v), vdupq_n_s16((int16_t)-n)));
+}
+static inline vi vi_slli16(vi v, int n) {
+    return vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(v), vdupq_n_s16((int16_t)n)));
+}
+static inline vi vi_slli32(vi v, int n) {
+    return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(v), vdupq_n_s32(n)));
+}
+#define vi_reduce_add vaddvq_s32      /* exact in any order */
+static inline vi vi_load(const void *from) {
+    return vreinterpretq_s32_u8(vld1q_u8((const uint8_t *)from));
+}
+/* VLANES float16 / unsigned or signed bytes / bf16 -> float32 (exact) */
+static inline vf vf_load_f16(const void *from) {
+    return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8((const uint8_t *)from)));
+}
+static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
+    uint32_t four;
+    memcpy(&four, from, sizeof four);  /* the four bytes only */
+    uint8x8_t raw = vcreate_u8((uint64_t)four);
+    if (is_signed)
+        return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(raw)))));
+    return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(raw))));
+}
+static inline vf vf_load_bf16(const uint16_t *from) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(from), 16));
+}
+static inline vf vf_load_part(const float *from, int count) {
+    float lanes[VLANES] = {0};
+    memcpy(lanes, from, sizeof(float) * (count < VLANES ? count : VLANES));
+    return vld1q_f32(lanes);
+}
+static inline void vf_store_part(float *to, vf value, int count) {
+    float lanes[VLANES];
+    vst1q_f32(lanes, value);
+    memcpy(to, lanes, sizeof(float) * (count < VLANES ? count : VLANES));
+}
+static inline void bf16_store_part(uint16_t *to, vf value, int count) {
+    uint16_t lanes[VLANES];
+    vst1_u16(lanes, round_to_bf16(value));
+    memcpy(to, lanes, sizeof(uint16_t) * (count < VLANES ? count : VLANES));
+}
+/* the four int8 of each lane's 32 bits, saturated (the values here always fit) */
+static inline void vi_store_i8(int8_t *to, vi value) {
+    int16x4_t words = vqmovn_s32(value);
+    int8x8_t bytes = vqmovn_s16(vcombine_s16(words, words));
+    memcpy(to, &bytes, VLANES);
+}
+#ifdef __ARM_FEATURE_MATMUL_INT8
+/* usdot (i8mm): unsigned bytes of w times signed bytes of x, exact for every byte */
+#define VDOT_ANY_BYTES 1
+static inline vi vi_dot4(vi acc, vi w, vi x) {
+    return vusdotq_s32(acc, vreinterpretq_u8_s32(w), vreinterpretq_s8_s32(x));
+}
+#else
+/* sdot (dotprod) multiplies signed bytes: exact while each byte of w is at most 127, which
+ * quant.c keeps (VDOT_ANY_BYTES 0: it splits Q8_0's full bytes, q + 128, into nibbles). */
+#define VDOT_ANY_BYTES 0
+static inline vi vi_dot4(vi acc, vi w, vi x) {
+    return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(x));
+}
+#endif
+
+#elif defined(__AVX512F__)
+#include <immintrin.h>
 #define VLANES 16
 typedef __m512 vf;
 typedef __m512i vi;
@@ -82,6 +179,7 @@ static inline void vi_store_i8(int8_t *to, vi value) {
 static inline vi vi_dot4(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
 
 #else /* AVX2, FMA, F16C */
+#include <immintrin.h>
 #define VLANES 8
 typedef __m256 vf;
 typedef __m256i vi;
