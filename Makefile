@@ -69,3 +69,18 @@ test: model lint
 FAST := not slow and not default_model and not server and not ray and not subprocess
 test-fast: model lint
 	$(BIN)/python -m pytest -q -m '$(FAST)'
+
+# The aarch64 kernel tiers (neon, neoni8mm) under qemu-aarch64 (tests/kernels_c/harness.py):
+# installs the cross compiler and qemu-user where they are missing and apt-get can (as root),
+# then runs tests/test_neon_qemu.py, which skips without them.
+NEON_TOOLS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+.PHONY: test-neon
+test-neon: $(STAMP)
+	@if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -q && apt-get install -y -q $(NEON_TOOLS); \
+		else \
+			echo "test-neon: install $(NEON_TOOLS) (as root: apt-get install -y ...)"; exit 1; \
+		fi; \
+	fi
+	$(BIN)/python -m pytest -q -rs tests/test_neon_qemu.py

@@ -1,0 +1,29 @@
+"""The aarch64 tiers (`neon`, `neoni8mm`) of dresd's C kernels, run under qemu-aarch64: every
+GGUF layout's quantized linear, the bf16 linear and attention against the x86 tests' float64
+references, rows bit for bit the same alone and in a batch at 1 to 3 threads, and every output
+bit for bit the x86 avx2 tier's (tests/kernels_c/harness.py says why and how).
+
+Skips where `aarch64-linux-gnu-gcc` or `qemu-aarch64` is absent: `make test-neon` installs
+them (Debian: gcc-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user) and runs this."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "kernels_c"))
+import harness  # noqa: E402
+
+MISSING = harness.missing_tools()
+
+
+@pytest.mark.subprocess  # cross-compiles, and runs qemu-aarch64 (~25 s on 2 cores)
+@pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+def test_kernels_under_qemu_aarch64(tmp_path):
+    report = harness.run(tmp_path)
+    print(report.summary())
+    assert not report.failed, report.summary()
+    # every tier ran every check: the references, the batch checks, the other kernels' build
+    assert len(report.passed) >= 2 * 200, report.summary()
