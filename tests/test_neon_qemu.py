@@ -27,3 +27,27 @@ def test_kernels_under_qemu_aarch64(tmp_path):
     assert not report.failed, report.summary()
     # every tier ran every check: the references, the batch checks, the other kernels' build
     assert len(report.passed) >= 2 * 200, report.summary()
+
+
+def test_the_c_decoder_waits_on_aarch64_until_asked(monkeypatch):
+    """On an aarch64 tier the C decoder is not built (only its linears and attention have run
+    under qemu): the forward keeps PyTorch's element-wise ops around them, unless
+    DRESD_CPU_DECODER=1."""
+    from dresd import kernels
+    from dresd.kernels import attention, decoder, linear
+
+    neon = next(tier for tier in kernels.TIERS if tier.name == "neon")
+    monkeypatch.setattr(kernels, "tier", lambda: neon)
+    monkeypatch.setattr(linear, "kernel", lambda: object())
+    monkeypatch.setattr(attention, "kernel", lambda: object())
+    built = []
+    monkeypatch.setattr(kernels, "load", lambda *args, **kw: built.append(args) or None)
+    monkeypatch.delenv("DRESD_CPU_DECODER", raising=False)
+    decoder.kernel.cache_clear()
+    try:
+        assert decoder.kernel() is None and not built
+        monkeypatch.setenv("DRESD_CPU_DECODER", "1")
+        decoder.kernel.cache_clear()
+        assert decoder.kernel() is None and len(built) == 1  # asked: built (here it fails)
+    finally:
+        decoder.kernel.cache_clear()

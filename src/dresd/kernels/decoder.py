@@ -12,13 +12,16 @@ kernel, the MLP is SiLU-gated without biases, and the sizes are whole vectors (h
 intermediate size multiples of 16); per-head q and k norms before the rotary embedding
 (Qwen3's) where the attention has them. `CDecoder.build` returns None elsewhere, and the
 forward keeps its PyTorch path. `DRESD_CPU_DECODER=0` turns it off. Compiled once per
-machine, like the other kernels (`kernels.load`).
+machine, like the other kernels (`kernels.load`). On aarch64 (the neon tiers) it is off unless
+`DRESD_CPU_DECODER=1`: it compiles there, but only its linears and attention have been run
+under qemu (tests/test_neon_qemu.py), so the forward keeps its PyTorch path around them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -141,6 +144,8 @@ def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
     if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
+    if kernels.tier().arch != "x86_64" and os.environ.get("DRESD_CPU_DECODER") != "1":
+        return None  # not yet run on aarch64 (the module's docstring)
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
                            includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE,
                                      *kernels.HEADERS))
