@@ -336,16 +336,33 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
              "original_max_position_embeddings": 32}
 
 
-def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int = 0):
-    """A random float32 transformers `LlamaForCausalLM` (with `rope` as its rope parameters)
-    or `Qwen3ForCausalLM` (`arch` "qwen3") of `HF_SHAPE`, every weight a bf16 value (so that a
-    bf16 file holds exactly the reference's weights), large enough that its next tokens are
-    no near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+# Qwen3-MoE's experts, tiny: 8 experts of hidden size 64, 2 used per token, renormalised
+MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                 norm_topk_prob=True)
+
+
+def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int = 0,
+                       expert_type: Q | None = None):
+    """A random float32 transformers `LlamaForCausalLM` (with `rope` as its rope parameters),
+    `Qwen3ForCausalLM` (`arch` "qwen3") or `Qwen3MoeForCausalLM` ("qwen3_moe", `MOE_SHAPE`)
+    of `HF_SHAPE`, every weight a bf16 value (so that a bf16 file holds exactly the
+    reference's weights), large enough that its next tokens are no near-ties. With
+    `expert_type`, the experts' weights as a file of that type holds them."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPE, rope_parameters=rope))
+    elif arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPE, **MOE_SHAPE,
+                                                   rope_parameters=rope))
     else:
         model = LlamaForCausalLM(LlamaConfig(**HF_SHAPE, rope_parameters=rope))
     generator = torch.Generator().manual_seed(seed)
@@ -357,7 +374,11 @@ def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int 
             else:
                 value = noise * {"model.embed_tokens.weight": 1.0,
                                  "lm_head.weight": 0.3}.get(name, 0.08)
-            parameter.copy_(value.to(torch.bfloat16).float())
+            value = value.to(torch.bfloat16).float()
+            if expert_type is not None and ".experts." in name:
+                value = torch.from_numpy(as_stored(expert_type, value.reshape(
+                    -1, value.shape[-1]).numpy()).reshape(value.shape))
+            parameter.copy_(value)
     return model.eval()
 
 
@@ -425,15 +446,25 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def convert_like_llama_cpp(model, path: Path) -> Path:
+def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
+                           metadata: dict | None = None) -> Path:
     """`model` (from `transformers_model`) as the bf16 GGUF file llama.cpp's converter writes
     from its folder: its metadata, 2D weights in BF16, norms and rope_freqs in F32, a Llama
     file's q and k rows permuted, Llama 3 scaling as rope_freqs.weight, linear and YaRN scaling
-    as `rope.scaling.*` metadata (`TextModel.set_gguf_parameters`)."""
+    as `rope.scaling.*` metadata (`TextModel.set_gguf_parameters`). A Qwen3-MoE model's experts
+    as `Qwen3MoeModel` writes them: the router `ffn_gate_inp` in F32, each of gate, up and down
+    one 3-D tensor of every expert (in `expert_type`), the expert count, used count and size.
+    `metadata`: keys (without the architecture) written instead of the model's, for the tests
+    of files that lie."""
     config = model.config
-    arch = config.model_type
+    arch = {"qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen3moe":
+        moe = {"expert_count": config.num_experts, "expert_used_count": config.num_experts_per_tok,
+               "expert_feed_forward_length": config.moe_intermediate_size, **(metadata or {})}
+        for key, value in moe.items():
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_name("tiny converted model")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -462,6 +493,9 @@ def convert_like_llama_cpp(model, path: Path) -> Path:
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, value in model.state_dict().items():
         weights = value.float().numpy()
+        if ".mlp." in name and arch == "qwen3moe":
+            _add_experts(writer, name, weights, expert_type)
+            continue
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
                          "lm_head.weight": "output.weight",
@@ -479,3 +513,23 @@ def convert_like_llama_cpp(model, path: Path) -> Path:
             data = gguf.quants.quantize(weights, Q.BF16)
             writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
     return _finish(writer, path)
+
+
+def _add_experts(writer: gguf.GGUFWriter, name: str, weights: np.ndarray, qtype: Q) -> None:
+    """A Qwen3-MoE layer's router or experts under llama.cpp's names (`Qwen2MoeModel.
+    modify_tensors`: gate_up_proj [experts, 2 ffn, hidden] split into gate and up)."""
+    blk = "blk." + name.split(".")[2] + "."
+    if name.endswith("mlp.gate.weight"):  # the router: always F32 (the converter forces it)
+        writer.add_tensor(blk + "ffn_gate_inp.weight", weights.astype(np.float32))
+        return
+    if name.endswith("gate_up_proj"):
+        ffn = weights.shape[1] // 2
+        parts = {"ffn_gate_exps": weights[:, :ffn], "ffn_up_exps": weights[:, ffn:]}
+    else:
+        parts = {"ffn_down_exps": weights}
+    for gguf_name, part in parts.items():
+        part = np.ascontiguousarray(part)
+        data = gguf.quants.quantize(part.reshape(-1, part.shape[-1]), qtype)
+        data = data.reshape(*part.shape[:-1], -1)
+        writer.add_tensor(blk + gguf_name + ".weight", data, raw_shape=data.shape,
+                          raw_dtype=qtype)

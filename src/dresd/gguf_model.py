@@ -35,9 +35,10 @@ import math
 import mmap
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
@@ -54,12 +55,14 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.errors import DresdError
 from dresd.host import cache_dir
 from dresd.kernels import quant
-from dresd.kernels.linear import InvariantLinear
+from dresd.kernels.experts import MoEMLP
+from dresd.kernels.linear import InvariantLinear, dense_weight
 from dresd.kernels.linear import kernel as linear_kernel
 
 Q = GGMLQuantizationType
-C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # whose layers `LlamaForward` runs
-HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3")  # a norm per head on q and k (attn_q/k_norm)
+C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # `LlamaForward`'s layers
+HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on q and k
+MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
 ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3: transformers' forward
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
@@ -308,11 +311,15 @@ def describe(reader: GGUFReader) -> dict:
     if not why_not:  # the linears run in the C quantized kernel either way
         forward = ("dresd's C decoder" if architecture in C_DECODER_ARCHITECTURES else
                    "transformers' forward, its linears in dresd's C quantized kernel")
+        if architecture in MOE_ARCHITECTURES:
+            forward += ", each layer's experts in C (kernels/experts.c)"
     return {"architecture": architecture,
             "name": _field(reader, "general.name"),
             "layers": _field(reader, f"{architecture}.block_count"),
             "context_length": _field(reader, f"{architecture}.context_length"),
             "sliding_window": _field(reader, f"{architecture}.attention.sliding_window"),
+            "experts": _field(reader, f"{architecture}.expert_count"),
+            "experts_used": _field(reader, f"{architecture}.expert_used_count"),
             "tensor_types": types,
             "parameters": int(sum(int(np.prod(t.shape)) for t in reader.tensors)),
             "tensor_bytes": int(sum(t.n_bytes for t in reader.tensors)),
@@ -393,6 +400,39 @@ class _Tensors:
                 layer.bias.data = bias_values
             return _FloatHead(layer)
         return InvariantLinear(weight, bias_values)
+
+    def experts(self, blk: str, used: int, norm: bool) -> MoEMLP:
+        """A layer's mixture of experts (`blk`: "blk.N."): the router `ffn_gate_inp` as float32,
+        and each expert's slice of `ffn_gate_exps`, `ffn_up_exps` (one module, gate then up)
+        and `ffn_down_exps`, packed as any linear (shapes checked before:
+        `check_model_tensors`)."""
+        router = self.get(blk + "ffn_gate_inp.weight")
+        hidden, count = (int(size) for size in router.shape[:2])
+        weights = self._dense(router, np.asarray(router.data).reshape(count, -1)).float()
+        gate_up, down = [], []
+        gates, ups, downs = (self.get(f"{blk}ffn_{name}_exps.weight")
+                             for name in ("gate", "up", "down"))
+        for expert in range(count):
+            parts = [self._expert(tensor, expert) for tensor in (gates, ups)]
+            if all(isinstance(part, quant.QuantLinear) for part in parts):
+                gate_up.append(quant.fuse(parts))
+            elif all(isinstance(part, InvariantLinear) for part in parts):  # one bf16 weight
+                gate_up.append(InvariantLinear(torch.cat([dense_weight(part)
+                                                          for part in parts])))
+            else:  # one part quantized, one in floats: each into its own outputs
+                gate_up.append(quant.QuantParts(parts))
+            down.append(self._expert(downs, expert))
+        for tensor in (gates, ups, downs):
+            self.release(tensor)
+        return MoEMLP(weights.contiguous(), gate_up, down, used, norm)
+
+    def _expert(self, tensor, expert: int) -> torch.nn.Module:
+        """Expert `expert`'s slice of a 3-D expert tensor as a linear layer."""
+        k, n, count = (int(size) for size in tensor.shape[:3])
+        raw = np.asarray(tensor.data).reshape(count, n, -1)[expert]
+        if tensor.tensor_type in quant.LAYOUTS:
+            return quant.QuantLinear.from_blocks(tensor.tensor_type, raw, n, k)
+        return InvariantLinear(self._dense(tensor, raw).to(torch.bfloat16))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, outer size first (as torch lists it; GGUF lists it reversed)."""
@@ -620,14 +660,20 @@ class Sizes:
     kv_heads: int
     head_dim: int
     intermediate: int
+    experts: int = 0  # a mixture of experts: experts per layer, used per token, and each
+    experts_used: int = 0  # expert's hidden size (0: a dense MLP)
+    expert_ffn: int = 0
 
     @classmethod
     def of_config(cls, config) -> Sizes:
+        experts = int(getattr(config, "num_experts", 0) or 0)
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    config.num_key_value_heads,
                    getattr(config, "head_dim", None)
                    or config.hidden_size // config.num_attention_heads,
-                   config.intermediate_size)
+                   config.intermediate_size, experts,
+                   int(config.num_experts_per_tok) if experts else 0,
+                   int(config.moe_intermediate_size) if experts else 0)
 
 
 C_INT = 2**31 - 1  # the C kernels take sizes as int
@@ -660,7 +706,38 @@ def model_sizes(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
     if sizes.heads % sizes.kv_heads:
         raise GGUFError(f"{path}: {sizes.kv_heads} key-value heads do not divide the "
                         f"{sizes.heads} attention heads.")
+    if architecture in MOE_ARCHITECTURES:
+        experts = _size(reader, path, key("expert_count"))
+        used = _size(reader, path, key("expert_used_count"))
+        if used > experts:
+            raise GGUFError(f"{path}: {used} experts used per token of {experts}.")
+        # llama.cpp's default where the file has no expert size: feed_forward_length / used
+        ffn = _size(reader, path, key("expert_feed_forward_length"),
+                    max(sizes.intermediate // used, 1))
+        moe_routing(reader, path, architecture)
+        sizes = Sizes(*astuple(sizes)[:6], experts, used, ffn)
     return sizes
+
+
+def moe_routing(reader: GGUFReader, path: Path, architecture: str) -> bool:
+    """Whether a MoE file's chosen experts' weights are renormalised to sum to 1
+    (`expert_weights_norm`; llama.cpp's qwen3moe always does, transformers' GGUF reading
+    defaults to it); one error for routing dresd does not run: gating other than softmax,
+    shared experts, a scale on the weights."""
+    key = f"{architecture}.{{}}".format
+    gating = _field(reader, key("expert_gating_func"))
+    if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
+        raise GGUFError(f"{path}: expert gating function {gating}; dresd runs softmax gating "
+                        "only.")
+    if _field(reader, key("expert_shared_count")) or \
+            _field(reader, key("expert_shared_feed_forward_length")):
+        raise GGUFError(f"{path}: shared experts are not something dresd runs.")
+    scale = _field(reader, key("expert_weights_scale"))
+    if scale not in (None, 0.0, 1.0):
+        raise GGUFError(f"{path}: expert weights scaled by {scale}; dresd runs unscaled weights "
+                        "only.")
+    norm = _field(reader, key("expert_weights_norm"))
+    return True if norm is None else bool(norm)
 
 
 NORM_TYPES = {Q.F32, Q.F16, Q.BF16}  # norms and biases are read as floats
@@ -678,14 +755,23 @@ def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
         norms += ["post_attention_norm", "post_ffw_norm"]
     expected: dict[str, tuple[tuple[int, ...], set]] = {"output_norm.weight": ((hidden,),
                                                                                NORM_TYPES)}
+    if architecture in MOE_ARCHITECTURES:  # the router, then every expert in one 3-D tensor
+        experts, ffn = sizes.experts, sizes.expert_ffn
+        mlp = (("ffn_gate_inp", (experts, hidden), NORM_TYPES),
+               ("ffn_gate_exps", (experts, ffn, hidden), SUPPORTED_TYPES),
+               ("ffn_up_exps", (experts, ffn, hidden), SUPPORTED_TYPES),
+               ("ffn_down_exps", (experts, hidden, ffn), SUPPORTED_TYPES))
+    else:
+        mlp = tuple((name, shape, SUPPORTED_TYPES) for name, shape in (
+            ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
+            ("ffn_down", (hidden, inter))))
     for i in range(sizes.layers):
         blk = f"blk.{i}."
         expected.update({blk + name + ".weight": ((hidden,), NORM_TYPES) for name in norms})
         expected.update({blk + name + ".weight": (shape, SUPPORTED_TYPES) for name, shape in (
             ("attn_q", (q_rows, hidden)), ("attn_k", (kv_rows, hidden)),
-            ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)),
-            ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
-            ("ffn_down", (hidden, inter)))})
+            ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)))})
+        expected.update({blk + name + ".weight": (shape, types) for name, shape, types in mlp})
         if architecture in HEAD_NORM_ARCHITECTURES:
             expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
                              for part in "qk"})
@@ -797,8 +883,13 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     config, tokenizer = config_and_tokenizer(path, reader)
     if architecture in C_DECODER_ARCHITECTURES:
         config.rope_parameters = file_rope_parameters(reader, path, architecture)
-        if architecture == "qwen3":  # transformers' mapping takes no head size for qwen3
+        if architecture in ("qwen3", "qwen3moe"):  # transformers' qwen3 mapping has no head size
             config.head_dim = sizes.head_dim
+        if architecture in MOE_ARCHITECTURES:  # what transformers' GGUF mapping leaves out
+            config.num_experts, config.num_experts_per_tok = sizes.experts, sizes.experts_used
+            config.moe_intermediate_size = sizes.expert_ffn
+            config.norm_topk_prob = moe_routing(reader, path, architecture)
+            config.mlp_only_layers, config.decoder_sparse_step = [], 1  # every layer's MLP
         if ROPE_FREQS in tensors and config.rope_parameters["rope_type"] == "yarn":
             raise GGUFError(f"{path}: rope_freqs with YaRN scaling is not one dresd runs.")
     elif ROPE_FREQS in tensors:
@@ -861,10 +952,13 @@ def _fill_llama(model: PreTrainedModel, tensors: _Tensors, architecture: str) ->
         attn.k_proj = tensors.linear(blk + "attn_k.weight", k_rows, blk + "attn_k.bias")
         attn.v_proj = tensors.linear(blk + "attn_v.weight", None, blk + "attn_v.bias")
         attn.o_proj = tensors.linear(blk + "attn_output.weight")
-        mlp.gate_proj = tensors.linear(blk + "ffn_gate.weight")
-        mlp.up_proj = tensors.linear(blk + "ffn_up.weight")
-        mlp.down_proj = tensors.linear(blk + "ffn_down.weight")
-        if architecture == "qwen3":  # per-head norms of q and k, before the rotary embedding
+        if architecture in MOE_ARCHITECTURES:
+            layer.mlp = tensors.experts(blk, config.num_experts_per_tok, config.norm_topk_prob)
+        else:
+            mlp.gate_proj = tensors.linear(blk + "ffn_gate.weight")
+            mlp.up_proj = tensors.linear(blk + "ffn_up.weight")
+            mlp.down_proj = tensors.linear(blk + "ffn_down.weight")
+        if architecture in HEAD_NORM_ARCHITECTURES:  # per-head q and k norms, before the rope
             attn.q_norm.weight = norm(blk + "attn_q_norm.weight")
             attn.k_norm.weight = norm(blk + "attn_k_norm.weight")
     decoder.norm.weight = norm("output_norm.weight")

@@ -62,6 +62,7 @@ from dresd.fastpath import INVARIANT_ATTENTION
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
 from dresd.kernels.decoder import CDecoder, SegmentRows
+from dresd.kernels.experts import MoEDecoder, is_moe
 from dresd.kernels.linear import InvariantLinear, fuse, share_storage
 from dresd.kernels.quant import QuantLinear
 
@@ -121,9 +122,10 @@ def additive_mask(start: int, within: torch.Tensor, dtype: torch.dtype) -> torch
 
 class LlamaForward:
     """Batched forward for Llama-shaped decoders (Llama, Mistral without a sliding window,
-    Qwen2, Qwen3 with its per-head q/k norms): see the module docstring."""
+    Qwen2, Qwen3 with its per-head q/k norms, a Qwen3-MoE file's with its experts on
+    `kernels/experts.py`): see the module docstring."""
 
-    ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+    ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
     # Rotary embeddings whose frequencies are fixed when the model is built: a row's cos and
     # sin are then a function of its position alone (transformers' `attention_scaling`
     # included), whatever rows share the forward. "dynamic" and "longrope" recompute them from
@@ -148,8 +150,11 @@ class LlamaForward:
                 kind != "full_attention" for kind in config.layer_types):
             return False
         decoder = getattr(model, "model", None)
-        return decoder is not None and all(hasattr(decoder, name) for name in
-                                           ("embed_tokens", "layers", "norm", "rotary_emb"))
+        if decoder is None or not all(hasattr(decoder, name) for name in
+                                      ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return False
+        # Qwen3-MoE: only a GGUF file's, whose experts run on dresd's kernels (kernels/experts.py)
+        return config.model_type != "qwen3_moe" or is_moe(decoder)
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -171,7 +176,8 @@ class LlamaForward:
                           self.kv_heads * self.head_dim)
         self.fused = [fuse_layer(layer) for layer in self.decoder.layers]
         # On a bf16 CPU model with dresd's kernels, every layer in one C call (kernels/decoder.py).
-        self.c_decoder = (CDecoder.build(self.decoder, config, self.fused)
+        c_decoder = MoEDecoder if is_moe(self.decoder) else CDecoder
+        self.c_decoder = (c_decoder.build(self.decoder, config, self.fused)
                           if self.invariant_kernel else None)
 
     def new_sequence(self) -> SequenceKV:
@@ -260,7 +266,7 @@ class LlamaForward:
                     mixed[first:last] = out[0]  # [t, heads, head_dim]
             hidden = hidden + attn.o_proj(mixed.view(hidden.shape[0], -1))
             normed = layer.post_attention_layernorm(hidden)
-            if fused is not None:  # transformers' MLP: down(act(gate(x)) * up(x))
+            if fused is not None and fused.gate_up is not None:  # down(act(gate(x)) * up(x))
                 gate, up = fused.gate_up(normed).chunk(2, dim=-1)
                 hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             else:
@@ -296,7 +302,7 @@ class LlamaForward:
 @dataclass
 class FusedProjections:
     qkv: InvariantLinear  # [q | k | v] outputs
-    gate_up: InvariantLinear  # [gate | up] outputs
+    gate_up: InvariantLinear | None  # [gate | up] outputs; None: the MLP is experts (MoEMLP)
 
 
 # Each layer is fused once, while it keeps the same projection modules: a batched engine (a
@@ -311,7 +317,8 @@ def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
     projections are not on dresd's linear kernel. The separate modules then read their
     weights from the fused ones (`cpu_linear.share_storage`): no weight is held twice."""
     attn, mlp = layer.self_attn, layer.mlp
-    parts = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
+    parts = ([attn.q_proj, attn.k_proj, attn.v_proj],
+             [mlp.gate_proj, mlp.up_proj] if hasattr(mlp, "gate_proj") else [])  # [] experts
     modules = parts[0] + parts[1]
     cached = _FUSED.get(layer)
     if cached is None or cached[0] != modules:  # modules compare by identity
@@ -321,12 +328,14 @@ def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
 
 def _fuse(parts: tuple[list, list]) -> FusedProjections | None:
     if all(isinstance(module, QuantLinear) for group in parts for module in group):
-        return FusedProjections(*(quant.fuse(group) for group in parts))  # a GGUF file's
+        return FusedProjections(*(quant.fuse(group) if group else None
+                                  for group in parts))  # a GGUF file's
     if not all(isinstance(module, InvariantLinear) for group in parts for module in group):
         return None
-    qkv, gate_up = (fuse(group) for group in parts)
+    qkv, gate_up = (fuse(group) if group else None for group in parts)
     for fused, group in zip((qkv, gate_up), parts, strict=True):
-        share_storage(fused, group)
+        if group:
+            share_storage(fused, group)
     return FusedProjections(qkv, gate_up)
 
 
