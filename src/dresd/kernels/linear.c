@@ -1,5 +1,6 @@
-/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16, or AVX-512 F or AVX2 with FMA
- * (dresd/kernels/linear.py loads it).
+/* Batch-invariant bf16 linear layer for CPUs with AVX-512 bf16, or AVX-512 F or AVX2 with FMA,
+ * or aarch64 NEON (its fused multiply-adds: the avx2 tier's sums) (dresd/kernels/linear.py
+ * loads it).
  *
  *   y[m, n] = bf16( (sum_k x[m, k] W[n, k]) + bias[n] ),   sum and bias add in float32,
  *   bf16(): round to nearest, ties to even (as torch's .to(torch.bfloat16)).

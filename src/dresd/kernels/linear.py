@@ -11,9 +11,10 @@ once (`pack`) that streams contiguously.
 
 It is compiled once per machine (`kernels.load`, with OpenMP: torch's own libgomp, already
 loaded in the process, serves it) into `$DRESD_CACHE/kernels/`. `kernel()` is None where the
-CPU runs no kernel tier (`kernels.tier()`: AVX2 at least), where no compiler builds it, or
-with `DRESD_CPU_LINEAR=0`; callers then keep `fastpath.PackedLinear`. The two round
-differently (another summation order), so one process uses one of them for every method.
+CPU runs no kernel tier (`kernels.tier()`: AVX2 at least, or NEON with the dot product), where
+no compiler builds it, or with `DRESD_CPU_LINEAR=0`; callers then keep `fastpath.PackedLinear`.
+The two round differently (another summation order), so one process uses one of them for
+every method.
 """
 
 from __future__ import annotations

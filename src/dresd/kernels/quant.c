@@ -1,6 +1,6 @@
 /* Batch-invariant linear layer on GGUF-quantized weights, for CPUs with AVX-512 VNNI, or AVX2
- * with or without AVX-VNNI (dresd/kernels/quant.py repacks the weights and loads it; vec.h
- * has each tier's instructions).
+ * with or without AVX-VNNI, or aarch64 NEON with sdot (or usdot) (dresd/kernels/quant.py
+ * repacks the weights and loads it; vec.h has each tier's instructions).
  *
  *   y[m, n] = sum over blocks b of 32 k:  dx[m, b] * (d[n, b] * dot[m, n, b] + c[n, b] * sx[m, b])
  *
