@@ -322,8 +322,8 @@ def run(workdir: Path, tiers: list[str] | None = None) -> Report:
             label = f"{tier.name}: all {len(x86)} outputs bit for bit the avx2 tier's"
             (report.failed if differ else report.passed).append(
                 label + (f": {len(differ)} differ ({', '.join(differ[:8])})" if differ else ""))
-        # the kernels not run here compile for the tier (decoder.c holds the other three)
-        for source in ("decoder.c", "drafting.c"):
+        # the kernels not run here compile for the tier (decoder.c and experts.c hold the others)
+        for source in ("decoder.c", "experts.c", "drafting.c"):
             done = subprocess.run([CROSS_CC, "-fsyntax-only", *COMMON, *tier.flags,
                                    str(KERNELS / source)], capture_output=True, text=True)
             label = f"{tier.name}: {source} compiles"
