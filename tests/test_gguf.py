@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
-from dresd.decoding.forward import HFForward, make_forward
+from dresd.decoding.forward import LlamaForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, make_drafter
 from dresd.errors import DresdError
 from dresd.gguf_model import describe, open_gguf
@@ -246,7 +246,8 @@ def gemma3_targets(gemma3_files) -> dict:
 def test_gemma3_file_is_read_as_llama_cpp_reads_it(gemma3_targets):
     model = gemma3_targets["gemma3-q4_0"].model
     config = model.config
-    assert isinstance(make_forward(model), HFForward)  # transformers' forward, windowed
+    forward = make_forward(model)  # the C decoder in its Gemma form (windowed layers)
+    assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
     assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     assert config.sliding_window == GEMMA3_TINY.window
     assert config.query_pre_attn_scalar == GEMMA3_TINY.head_dim  # llama.cpp: 1/sqrt(head)
@@ -277,7 +278,7 @@ def test_gemma3_tokenizer_is_the_files_sentencepiece_vocabulary(gemma3_targets, 
     assert prompt == "<bos><start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"
     described = describe(open_gguf(gemma3_files["gemma3-q4_0"]))
     assert described["dresd_runs_it_natively"] == "yes"
-    assert described["forward"].startswith("transformers'")
+    assert described["forward"] == "dresd's C decoder"
 
 
 @pytest.mark.parametrize("name", list(GEMMA3_FILES))

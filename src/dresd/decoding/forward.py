@@ -41,6 +41,12 @@ and, per segment, the same attention function the model is set to (on a CPU in b
 batch-invariant kernel). So a sequence's logits do not depend on which
 other sequences share the forward, and a batch of one computes what transformers computes.
 
+Gemma-3's text model runs here on the C decoder only (`LlamaForward.takes_on_c_decoder`: its
+sandwich norms, GELU-tanh gate and sliding-window layers are the C decoder's `LayerForm`, not
+the PyTorch path's); where the C decoder does not build, `make_forward` gives it `HFForward`.
+Its windowed layers read each segment's keys from the first one a row's window holds
+(`_window`), with a mask of their own only where rows of the segment see different windows.
+
 `HFForward` is the fallback for every other architecture: transformers' own forward, one
 sequence at a time on a `DynamicCache`. Same results, no cross-sequence batching.
 """
@@ -156,6 +162,27 @@ class LlamaForward:
         # Qwen3-MoE: only a GGUF file's, whose experts run on dresd's kernels (kernels/experts.py)
         return config.model_type != "qwen3_moe" or is_moe(decoder)
 
+    # Architectures whose layers only the C decoder runs (its `LayerForm`), not the PyTorch path
+    C_DECODER_ONLY = ("gemma3_text",)
+
+    @classmethod
+    def takes_on_c_decoder(cls, model: PreTrainedModel) -> bool:
+        """Whether `model` is one this forward runs where its C decoder builds (Gemma-3's
+        text model: its rope per layer type, each static)."""
+        config = model.config
+        if config.model_type not in cls.C_DECODER_ONLY:
+            return False
+        if not type(model).__module__.startswith("transformers.models."):
+            return False
+        ropes = (getattr(config, "rope_parameters", None) or {}).values()
+        if not ropes or any(not isinstance(rope, dict)
+                            or rope.get("rope_type", "default") not in cls.STATIC_ROPE
+                            for rope in ropes):
+            return False
+        decoder = getattr(model, "model", None)
+        return decoder is not None and all(hasattr(decoder, name) for name in
+                                           ("embed_tokens", "layers", "norm", "rotary_emb"))
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.decoder = model.model
@@ -179,6 +206,11 @@ class LlamaForward:
         c_decoder = MoEDecoder if is_moe(self.decoder) else CDecoder
         self.c_decoder = (c_decoder.build(self.decoder, config, self.fused)
                           if self.invariant_kernel else None)
+        # Gemma-3: a rotary table per layer type, and the windowed layers' window
+        types = set(getattr(config, "layer_types", None) or ()) \
+            if config.model_type in self.C_DECODER_ONLY else set()
+        self.rope_types = sorted(types)  # [] a Llama's one table (its rotary_emb takes no type)
+        self.window = int(config.sliding_window) if "sliding_attention" in types else None
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)
@@ -202,7 +234,8 @@ class LlamaForward:
     def _inputs(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor, list[int]]:
         """The embedded rows [rows, d], their rotary cos and sin [rows, head_dim] and the
-        segments' row bounds; makes room in each sequence's cache for its rows."""
+        segments' row bounds; makes room in each sequence's cache for its rows. (Gemma-3:
+        cos and sin of its full-attention layers, `_local_rope` the windowed layers'.)"""
         token_ids = [token for segment in segments for token in segment.token_ids]
         positions = [p for segment in segments for p in segment.positions()]
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -211,7 +244,11 @@ class LlamaForward:
         # [1, rows, head_dim], from the model's own rotary embedding: its scaling (linear,
         # llama3, yarn; a GGUF file's `rope_freqs`) and its `attention_scaling` on cos and sin
         # included, so the C decoder and the code below apply exactly transformers' values
-        cos, sin = self.decoder.rotary_emb(hidden, position_ids)
+        if self.rope_types:  # Gemma-3: the global layers' table (the local one's if none is)
+            cos, sin = self.decoder.rotary_emb(hidden, position_ids, self.rope_types[0])
+            self._positions = position_ids
+        else:
+            cos, sin = self.decoder.rotary_emb(hidden, position_ids)
         bounds = [0]
         for segment in segments:
             bounds.append(bounds[-1] + len(segment))
@@ -277,12 +314,46 @@ class LlamaForward:
             segment.sequence.length = segment.start + len(segment)
         return _split_outputs(self.model, segments, bounds, hidden)
 
+    def _local_rope(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Gemma-3's windowed layers' cos and sin [rows, head_dim] for the rows `_inputs` just
+        embedded, where they differ from the global layers' table; else None."""
+        if "sliding_attention" not in self.rope_types[1:]:
+            return None
+        cos, sin = self.decoder.rotary_emb(hidden, self._positions, "sliding_attention")
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def _window(self, segment: Segment, kernel_masks: list) -> tuple[int, tuple | None]:
+        """A segment's view in the windowed layers, as `SegmentRows.window`: the first key
+        any of its rows' windows holds (a row at position q sees key k where q - k < window,
+        transformers' rule), and where its rows' windows differ beyond that, a mask of their
+        own over the keys from there on ((address, row stride), its rows kept alive in
+        `kernel_masks`)."""
+        window, start, rows = self.window, segment.start, len(segment)
+        positions = segment.positions()
+        first = max(0, min(start, min(positions) - window + 1))
+        if max(positions) - window + 1 <= first and max(positions) - min(positions) < window:
+            return first, None  # every key from `first` on is in every row's window
+        within = segment.ancestors
+        if within is None:
+            within = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+        rows_at = torch.tensor(positions, device=self.device)
+        columns = torch.cat([torch.arange(first, start, device=self.device), rows_at])
+        allowed = torch.ones(rows, start - first + rows, dtype=torch.bool, device=self.device)
+        allowed[:, start - first:] = within
+        allowed &= (rows_at[:, None] - columns[None, :]) < window
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        rows_mask, address, stride = cpu_attention.kernel_mask(mask[None, None], allowed.shape[1])
+        kernel_masks.append(rows_mask)
+        return first, (address, stride)
+
     def _c_forward(self, segments: list[Segment]) -> list[SegmentOutput]:
         """The forward on `kernels/decoder.c`: the whole decoder in one C call, every segment's
         rows (prompt chunks of any length too) on its row-invariant attention."""
         decoder = self.c_decoder
         hidden, cos, sin, bounds = self._inputs(segments)
         cos, sin = cos.contiguous(), sin.contiguous()
+        local = self._local_rope(hidden) if self.rope_types else None
         kernel_masks, parts = [], []  # the kernel's bf16 rows of each mask, alive till the end
         for segment, first in zip(segments, bounds, strict=False):
             mask = self._mask(segment)
@@ -292,8 +363,13 @@ class LlamaForward:
                     mask, segment.start + len(segment))
                 kernel_masks.append(rows_mask)
                 where = (address, stride)
-            parts.append(SegmentRows(first, len(segment), segment.start, segment.sequence, where))
-        hidden = decoder.forward(hidden, cos, sin, decoder.segments(parts))
+            window = self._window(segment, kernel_masks) if self.window else None
+            parts.append(SegmentRows(first, len(segment), segment.start, segment.sequence, where,
+                                     window))
+        if local is not None:
+            hidden = decoder.forward(hidden, cos, sin, decoder.segments(parts), local)
+        else:  # (a subclass's forward may take no table for windowed layers)
+            hidden = decoder.forward(hidden, cos, sin, decoder.segments(parts))
         for segment in segments:
             segment.sequence.length = segment.start + len(segment)
         return _split_outputs(self.model, segments, bounds, hidden)
@@ -363,6 +439,9 @@ def _split_outputs(model: PreTrainedModel, segments: list[Segment], bounds: list
         # run several times faster on float32 than on bf16 (~0.2 ms of a decode step).
         logits = model.lm_head(rows)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:  # Gemma's, as its ForCausalLM applies it (Gemma-3's configs have none)
+            logits = torch.tanh(logits / cap) * cap
         greedy, top2 = _row_choices(logits, segments, counts)
     outputs, taken = [], 0
     for segment, count, first, last in zip(segments, counts, bounds[:-1], bounds[1:],
@@ -505,5 +584,12 @@ Forward = LlamaForward | HFForward  # what `make_forward` gives
 
 
 def make_forward(model: PreTrainedModel) -> Forward:
-    """The batched Llama forward where the model is Llama-shaped, else transformers' own."""
-    return LlamaForward(model) if LlamaForward.takes(model) else HFForward(model)
+    """The batched Llama forward where the model is Llama-shaped (or Gemma-3's, where the C
+    decoder runs it), else transformers' own."""
+    if LlamaForward.takes(model):
+        return LlamaForward(model)
+    if LlamaForward.takes_on_c_decoder(model):
+        forward = LlamaForward(model)
+        if forward.c_decoder is not None:
+            return forward
+    return HFForward(model)

@@ -13,11 +13,18 @@
  *                                                        (Qwen3), else as they are
  *   q, k    = rotary(q), rotary(k);  k, v -> each sequence's cache, rows start .. start + t - 1
  *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant)
- *   hidden  = hidden + mixed Wo^T
+ *   hidden  = hidden + mixed Wo^T                         (Gemma: + rms_norm(mixed Wo^T) * w)
  *   normed  = rms_norm(hidden) * w_post
- *   g, u    = normed [Wgate | Wup]^T;  act = silu(g) * u;  hidden = hidden + act Wdown^T
+ *   g, u    = normed [Wgate | Wup]^T;  act = silu(g) * u  (Gemma: gelu_tanh(g) * u)
+ *   hidden  = hidden + act Wdown^T                        (Gemma: + rms_norm(act Wdown^T) * w)
  *
  * and the final norm after the last layer.
+ *
+ * The Decoder struct declares what differs between the families it runs, nothing else: the
+ * norms' form (`norm_plus_one`: Gemma's RMSNorm, float32 x * rsqrt(...) * (1 + w) rounded once),
+ * the MLP's activation, the norms of the attention's and the MLP's outputs (Gemma's sandwich
+ * norms), and the layers that attend over a sliding window with their own rotary table
+ * (`windowed`: Gemma-3's local layers). A Llama, Qwen2 or Qwen3 leaves them 0 / NULL.
  *
  * The promise, as the kernels it calls: every row of the output depends only on that row's
  * token, its position, and the cache entries it sees; not on the other rows, sequences or
@@ -66,7 +73,21 @@ typedef struct {
      * none: [layers] -> bf16 [head_dim], the same epsilon as the other norms. */
     const uint16_t *const *q_norm;
     const uint16_t *const *k_norm;
+    /* Gemma's (0 / NULL for Llama's layers): */
+    int norm_plus_one;  /* every norm: 1: Gemma3RMSNorm's bf16(x * inverse * (1 + w)), in float32;
+                         * 0: LlamaRMSNorm's bf16(w * bf16(x * inverse)) */
+    int activation;     /* ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+    const uint16_t *const *attention_out_norm; /* [layers] -> bf16 [hidden]: the attention
+                         * output's norm before its residual add (Gemma's post_attention_layernorm),
+                         * or NULL: none */
+    const uint16_t *const *mlp_out_norm;       /* the MLP output's (post_feedforward_layernorm) */
+    /* [layers]: 1 where the layer attends over a sliding window (each segment's keys from
+     * Segments' window_start on, with its window_masks) and rotates by the second rotary table;
+     * NULL: no layer does. */
+    const unsigned char *windowed;
 } Decoder;
+
+enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
 
 /* The sequences of one forward. Segment s owns rows first[s] .. first[s] + rows[s] - 1; its
  * cache holds start[s] entries before them, and its rows are written after those. Its keys
@@ -79,6 +100,15 @@ typedef struct {
     const int64_t *capacity;
     const uint16_t *const *masks;
     const int64_t *mask_strides;
+    /* For the windowed layers (NULL where the model has none): segment s reads its keys from
+     * window_start[s] (<= start[s]: every row's window begins there or later) and masks them
+     * by window_masks[s] (rows[s] x window_mask_strides[s], its start[s] + rows[s] -
+     * window_start[s] columns), or where that is NULL by masks[s] from column window_start[s]
+     * on (NULL: causal). A skipped key is one every row masks, and a masked key changes no
+     * sum of the attention (cpu_attention.c), so a row's bits are the same either way. */
+    const int *window_start;
+    const uint16_t *const *window_masks;
+    const int64_t *window_mask_strides;
 } Segments;
 
 /* bf16 bits of 16 floats, to nearest, ties to even; NaN a quiet NaN (bf16.h's round_to_bf16,
@@ -127,6 +157,30 @@ static void rms_norm(const uint16_t *x, const uint16_t *weight, int n, float eps
     }
 }
 
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * (1 + weight)), every step in float32 and one rounding
+ * at the end, as Gemma3RMSNorm (n a multiple of 16; out may be x). */
+static void rms_norm_plus_one(const uint16_t *x, const uint16_t *weight, int n, float eps,
+                              uint16_t *out) {
+    vec squares = {0};
+    for (int i = 0; i < n; i += LANES) {
+        vec value = load_bf16(x + i);
+        squares = value * value + squares;
+    }
+    float inverse = 1.0f / sqrtf(sum_lanes(squares) / (float)n + eps);
+    for (int i = 0; i < n; i += LANES) {
+        vec normed = load_bf16(x + i) * splat(inverse);
+        vec scale = load_bf16(weight + i) + splat(1.0f);
+        store_bf16(out + i, normed * scale);
+    }
+}
+
+/* The model's norm (Decoder.norm_plus_one says which). */
+static inline void norm(const Decoder *m, const uint16_t *x, const uint16_t *weight, int n,
+                        uint16_t *out) {
+    if (m->norm_plus_one) rms_norm_plus_one(x, weight, n, m->eps, out);
+    else rms_norm(x, weight, n, m->eps, out);
+}
+
 /* Rotary embedding of one head in place, as transformers' `x * cos + rotate_half(x) * sin`
  * with every product and the sum rounded to bf16 (head_dim a multiple of 32). */
 static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int head_dim) {
@@ -142,17 +196,32 @@ static void rotate(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int he
     }
 }
 
-/* act = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)): exp of -|g| only (never
- * overflows), g >= 0: g / (1 + e), g < 0: g e / (1 + e). n a multiple of 16. */
+/* g * sigmoid(z) for 16 lanes: exp of -|z| only (never overflows); z >= 0: g / (1 + e),
+ * z < 0: g e / (1 + e). */
+static inline vec times_sigmoid(vec g, vec z) {
+    vec e = exp_nonpositive(splat(0.0f) - (vec)((ivec)z & 0x7fffffff));
+    ivec negative = vec_lt(z, splat(0.0f));
+    vec numerator = (vec)(((ivec)(g * e) & negative) | ((ivec)g & ~negative));
+    return numerator / (splat(1.0f) + e);
+}
+
+/* act = bf16(bf16(silu(gate)) * up), silu(g) = g sigmoid(g). n a multiple of 16. */
 static void silu_times(const uint16_t *gate, const uint16_t *up, int n, uint16_t *act) {
     for (int i = 0; i < n; i += LANES) {
         vec g = load_bf16(gate + i);
-        vec magnitude = (vec)((ivec)g & 0x7fffffff);
-        vec e = exp_nonpositive(splat(0.0f) - magnitude);
-        ivec negative = vec_lt(g, splat(0.0f));
-        vec numerator = (vec)(((ivec)(g * e) & negative) | ((ivec)g & ~negative));
-        vec silu = numerator / (splat(1.0f) + e);
-        store_bf16(act + i, rounded(silu) * load_bf16(up + i));
+        store_bf16(act + i, rounded(times_sigmoid(g, g)) * load_bf16(up + i));
+    }
+}
+
+/* act = bf16(bf16(gelu_tanh(gate)) * up): PyTorch's gelu(approximate="tanh"),
+ * 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3), computed as g sigmoid(2 y)
+ * (the same function; float32, a last-bit difference at most before the rounding to bf16).
+ * n a multiple of 16. */
+static void gelu_tanh_times(const uint16_t *gate, const uint16_t *up, int n, uint16_t *act) {
+    for (int i = 0; i < n; i += LANES) {
+        vec g = load_bf16(gate + i);
+        vec y = splat(0.7978845608f) * (g + splat(0.044715f) * g * g * g);
+        store_bf16(act + i, rounded(times_sigmoid(g, y + y)) * load_bf16(up + i));
     }
 }
 
@@ -200,7 +269,7 @@ static int project(const uint16_t *x, int rows, int k, const Weight *w, const fl
 
 /* Layer `layer` up to attention: the norm, q/k/v, rotary embedding, and each segment's keys
  * and values written into its cache. qkv: rows x qkv_width out (q stays there for attention).
- * cos, sin: rows x head_dim bf16 (each row's position). Returns 0, -1 out of memory, -2 a
+ * cos, sin: rows x head_dim bf16 (each row's position; the layer's table). Returns 0, -1 out of memory, -2 a
  * weight of another shape (`project`). */
 int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *hidden, int rows,
                                    const uint16_t *cos, const uint16_t *sin, uint16_t *qkv,
@@ -210,7 +279,7 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
     if (!normed) return -1;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
-        rms_norm(hidden + (int64_t)r * d, m->input_norm[layer], d, m->eps, normed + (int64_t)r * d);
+        norm(m, hidden + (int64_t)r * d, m->input_norm[layer], d, normed + (int64_t)r * d);
     int status = project(normed, rows, d, &m->qkv[layer], m->qkv_bias[layer], width, qkv,
                          threads);
     free(normed);
@@ -223,7 +292,7 @@ int dresd_decoder_attention_inputs(const Decoder *m, int layer, const uint16_t *
             uint16_t *head = qkv + (int64_t)r * width + h * dim;
             const uint16_t *head_norm = h < m->heads ? q_norm : k_norm;
             /* in place: rms_norm reads each value before it writes the same one */
-            if (head_norm) rms_norm(head, head_norm, dim, m->eps, head);
+            if (head_norm) norm(m, head, head_norm, dim, head);
             rotate(head, cos + (int64_t)r * dim, sin + (int64_t)r * dim, dim);
         }
     for (int s = 0; s < segments->count; s++) {
@@ -259,10 +328,13 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
         free(scratch);
         return status;
     }
+    const uint16_t *out_norm = m->attention_out_norm ? m->attention_out_norm[layer] : NULL;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++) {
-        add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
-        rms_norm(hidden + (int64_t)r * d, m->post_norm[layer], d, m->eps, normed + (int64_t)r * d);
+        uint16_t *row = projected + (int64_t)r * d;
+        if (out_norm) norm(m, row, out_norm, d, row);
+        add_residual(hidden + (int64_t)r * d, row, d);
+        norm(m, hidden + (int64_t)r * d, m->post_norm[layer], d, normed + (int64_t)r * d);
     }
     status = project(normed, rows, d, &m->gate_up[layer], NULL, 2 * inter, gate_up, threads);
     if (status != 0) {
@@ -270,42 +342,60 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
         return status;
     }
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
-    for (int r = 0; r < rows; r++)
-        silu_times(gate_up + (int64_t)r * 2 * inter, gate_up + (int64_t)r * 2 * inter + inter,
-                   inter, act + (int64_t)r * inter);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + (int64_t)r * 2 * inter;
+        if (m->activation == ACTIVATION_GELU_TANH)
+            gelu_tanh_times(gate, gate + inter, inter, act + (int64_t)r * inter);
+        else
+            silu_times(gate, gate + inter, inter, act + (int64_t)r * inter);
+    }
     status = project(act, rows, inter, &m->down[layer], NULL, d, projected, threads);
     if (status != 0) {
         free(scratch);
         return status;
     }
+    out_norm = m->mlp_out_norm ? m->mlp_out_norm[layer] : NULL;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
-    for (int r = 0; r < rows; r++)
-        add_residual(hidden + (int64_t)r * d, projected + (int64_t)r * d, d);
+    for (int r = 0; r < rows; r++) {
+        uint16_t *row = projected + (int64_t)r * d;
+        if (out_norm) norm(m, row, out_norm, d, row);
+        add_residual(hidden + (int64_t)r * d, row, d);
+    }
     free(scratch);
     return 0;
 }
 
 /* Every segment's attention for layer `layer` on the C attention kernel (cpu_attention.c),
- * q read from the qkv rows; mixed: rows x (heads * head_dim). Returns 0, -1 out of memory. */
+ * q read from the qkv rows; a windowed layer's keys from each segment's window_start on (the
+ * Segments struct says how). mixed: rows x (heads * head_dim). Returns 0, -1 out of memory. */
 int dresd_decoder_attention(const Decoder *m, int layer, const uint16_t *qkv,
                             const Segments *segments, uint16_t *mixed, int threads) {
     int count = segments->count, dim = m->head_dim;
-    const uint16_t **keys = malloc(2 * (size_t)count * sizeof(uint16_t *));
-    int64_t *strides = malloc((size_t)count * sizeof(int64_t));
+    int windowed = m->windowed && m->windowed[layer] && segments->window_start;
+    const uint16_t **keys = malloc(3 * (size_t)count * sizeof(uint16_t *));
+    int64_t *strides = malloc(2 * (size_t)count * sizeof(int64_t));
     int *lengths = malloc((size_t)count * sizeof(int));
     int status = -1;
     if (keys && strides && lengths) {
-        const uint16_t **values = keys + count;
+        const uint16_t **values = keys + count, **masks = keys + 2 * count;
+        int64_t *mask_strides = strides + count;
         for (int s = 0; s < count; s++) {
+            int from = windowed ? segments->window_start[s] : 0; /* keys before: all masked */
             strides[s] = segments->capacity[s] * dim;
-            int64_t at = layer * m->kv_heads * strides[s];
+            int64_t at = layer * m->kv_heads * strides[s] + (int64_t)from * dim;
             keys[s] = segments->keys[s] + at;
             values[s] = segments->values[s] + at;
-            lengths[s] = segments->start[s] + segments->rows[s];
+            lengths[s] = segments->start[s] + segments->rows[s] - from;
+            masks[s] = segments->masks[s] ? segments->masks[s] + from : NULL;
+            mask_strides[s] = segments->mask_strides[s];
+            if (windowed && segments->window_masks && segments->window_masks[s]) {
+                masks[s] = segments->window_masks[s];
+                mask_strides[s] = segments->window_mask_strides[s];
+            }
         }
         status = dresd_attention_batch(count, qkv, qkv_width(m), segments->first,
                                        segments->rows, keys, values, strides, strides,
-                                       segments->masks, segments->mask_strides, lengths,
+                                       masks, mask_strides, lengths,
                                        m->heads, m->kv_heads, dim, m->scale, mixed, threads);
     }
     free(keys);
@@ -317,17 +407,19 @@ int dresd_decoder_attention(const Decoder *m, int layer, const uint16_t *qkv,
 /* The final norm of every row: out = rms_norm(hidden) * w_final. */
 void dresd_decoder_final_norm(const Decoder *m, const uint16_t *hidden, int rows, uint16_t *out) {
     for (int r = 0; r < rows; r++)
-        rms_norm(hidden + (int64_t)r * m->hidden, m->final_norm, m->hidden, m->eps,
-                 out + (int64_t)r * m->hidden);
+        norm(m, hidden + (int64_t)r * m->hidden, m->final_norm, m->hidden,
+             out + (int64_t)r * m->hidden);
 }
 
 /* The whole decoder on the embedded rows `hidden` (rows x hidden, updated in place), every
- * attention on the C kernel; `out` gets the final norm. Returns 0, -1 out of memory, -2 sizes
- * it does not take (the loops above step 16 lanes, a head's rotation 32), or a weight of
- * another shape than the model's (`project`), or a segment's rows outside the forward's or
- * its cache's. */
+ * attention on the C kernel; `out` gets the final norm. cos, sin: each row's rotary table
+ * (rows x head_dim bf16); local_cos, local_sin: the windowed layers' (NULL: the same).
+ * Returns 0, -1 out of memory, -2 sizes it does not take (the loops above step 16 lanes, a
+ * head's rotation 32), or a weight of another shape than the model's (`project`), or a
+ * segment's rows outside the forward's or its cache's, or a window start past its cache. */
 int dresd_decoder(const Decoder *m, uint16_t *hidden, int rows, const uint16_t *cos,
-                  const uint16_t *sin, const Segments *segments, uint16_t *out, int threads) {
+                  const uint16_t *sin, const uint16_t *local_cos, const uint16_t *local_sin,
+                  const Segments *segments, uint16_t *out, int threads) {
     if (m->layers < 0 || m->hidden < 16 || m->hidden % 16 || m->intermediate < 16
         || m->intermediate % 16 || m->head_dim < 32 || m->head_dim % 32 || m->heads < 1
         || m->kv_heads < 1 || m->heads % m->kv_heads || rows < 0)
@@ -335,16 +427,20 @@ int dresd_decoder(const Decoder *m, uint16_t *hidden, int rows, const uint16_t *
     for (int s = 0; s < segments->count; s++)
         if (segments->first[s] < 0 || segments->rows[s] < 0 || segments->start[s] < 0
             || segments->first[s] + segments->rows[s] > rows
-            || segments->start[s] + segments->rows[s] > segments->capacity[s])
+            || segments->start[s] + segments->rows[s] > segments->capacity[s]
+            || (segments->window_start && (segments->window_start[s] < 0
+                                           || segments->window_start[s] > segments->start[s])))
             return -2;
+    if (m->activation != ACTIVATION_SILU && m->activation != ACTIVATION_GELU_TANH) return -2;
     uint16_t *qkv = malloc((size_t)rows * (qkv_width(m) + m->heads * m->head_dim)
                            * sizeof(uint16_t));
     if (!qkv) return -1;
     uint16_t *mixed = qkv + (size_t)rows * qkv_width(m);
     int status = 0;
     for (int layer = 0; layer < m->layers && status == 0; layer++) {
-        status = dresd_decoder_attention_inputs(m, layer, hidden, rows, cos, sin, qkv, segments,
-                                                threads);
+        int local = m->windowed && m->windowed[layer] && local_cos && local_sin;
+        status = dresd_decoder_attention_inputs(m, layer, hidden, rows, local ? local_cos : cos,
+                                                local ? local_sin : sin, qkv, segments, threads);
         if (status == 0)
             status = dresd_decoder_attention(m, layer, qkv, segments, mixed, threads);
         if (status == 0)

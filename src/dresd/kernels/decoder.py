@@ -10,9 +10,13 @@ Where it runs: bf16 Llama-shaped models (`decoding/forward.LlamaForward`) whose 
 gate/up projections are fused on the C linear kernel, the attention is the batch-invariant C
 kernel, the MLP is SiLU-gated without biases, and the sizes are whole vectors (hidden size and
 intermediate size multiples of 16); per-head q and k norms before the rotary embedding
-(Qwen3's) where the attention has them. `CDecoder.build` returns None elsewhere, and the
-forward keeps its PyTorch path. `DRESD_CPU_DECODER=0` turns it off. Compiled once per
-machine, like the other kernels (`kernels.load`). On aarch64 (the neon tiers) it is off unless
+(Qwen3's) where the attention has them. Gemma-3's text layers too (`LayerForm` says what
+differs: Gemma's RMSNorm with its 1 + weight, the GELU-tanh gate, norms of the attention's and
+the MLP's outputs, sliding-window layers with their own rotary table); those run on the C
+decoder only (`forward.LlamaForward.takes_on_c_decoder`). `CDecoder.build` returns None
+elsewhere, and the forward keeps its PyTorch path (or transformers', for Gemma-3).
+`DRESD_CPU_DECODER=0` turns it off. Compiled once per machine, like the other kernels
+(`kernels.load`). On aarch64 (the neon tiers) it is off unless
 `DRESD_CPU_DECODER=1`: it compiles there, but only its linears and attention have been run
 under qemu (tests/test_neon_qemu.py), so the forward keeps its PyTorch path around them.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,7 +121,10 @@ class DecoderStruct(ctypes.Structure):
                 ("final_norm", _pointer), ("qkv", ctypes.POINTER(WeightStruct)),
                 ("qkv_bias", _pointers), ("o", ctypes.POINTER(WeightStruct)),
                 ("gate_up", ctypes.POINTER(WeightStruct)), ("down", ctypes.POINTER(WeightStruct)),
-                ("q_norm", _pointers), ("k_norm", _pointers)]
+                ("q_norm", _pointers), ("k_norm", _pointers),
+                ("norm_plus_one", _i32), ("activation", _i32),
+                ("attention_out_norm", _pointers), ("mlp_out_norm", _pointers),
+                ("windowed", ctypes.POINTER(ctypes.c_ubyte))]
 
 
 class SegmentsStruct(ctypes.Structure):
@@ -125,7 +133,8 @@ class SegmentsStruct(ctypes.Structure):
     _fields_ = [("count", _i32), ("first", ctypes.POINTER(_i32)), ("rows", ctypes.POINTER(_i32)),
                 ("start", ctypes.POINTER(_i32)), ("keys", _pointers), ("values", _pointers),
                 ("capacity", ctypes.POINTER(_i64)), ("masks", _pointers),
-                ("mask_strides", ctypes.POINTER(_i64))]
+                ("mask_strides", ctypes.POINTER(_i64)), ("window_start", ctypes.POINTER(_i32)),
+                ("window_masks", _pointers), ("window_mask_strides", ctypes.POINTER(_i64))]
 
 
 class SegmentRows(NamedTuple):
@@ -137,6 +146,9 @@ class SegmentRows(NamedTuple):
     cache: object  # its `decoding.kv_cache.SequenceKV`
     mask: tuple[int, int] | None  # (address, row stride) of `cpu_attention.kernel_mask`'s
     #                               bf16 rows, or None: causal
+    # The windowed layers' view (a model with sliding-window layers): the first key they read
+    # and their own mask's (address, row stride), or None: `mask` from that key on
+    window: tuple[int, tuple[int, int] | None] | None = None
 
 
 @functools.cache
@@ -152,8 +164,8 @@ def kernel() -> ctypes.CDLL | None:
     if library is None:
         return None
     decoder, segments = ctypes.POINTER(DecoderStruct), ctypes.POINTER(SegmentsStruct)
-    library.dresd_decoder.argtypes = [decoder, _pointer, _i32, _pointer, _pointer, segments,
-                                      _pointer, _i32]
+    library.dresd_decoder.argtypes = [decoder, _pointer, _i32, _pointer, _pointer, _pointer,
+                                      _pointer, segments, _pointer, _i32]
     library.dresd_decoder.restype = _i32
     return library
 
@@ -163,6 +175,73 @@ def _head_norms(attention: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     or () where it has none."""
     norms = tuple(getattr(attention, name, None) for name in ("q_norm", "k_norm"))
     return norms if all(norm is not None for norm in norms) else ()
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # decoder.c's ACTIVATION_SILU, _GELU_TANH
+NORMS = {"LlamaRMSNorm": 0, "Qwen2RMSNorm": 0, "Qwen3RMSNorm": 0, "MistralRMSNorm": 0,
+         "Gemma3RMSNorm": 1}  # decoder.c's norm_plus_one: Gemma's multiplies by 1 + weight
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """What a model's layers compute, in the terms decoder.c's `Decoder` declares them:
+    the norms' kind, the MLP's activation, norms of the attention's and the MLP's outputs
+    (Gemma's post_attention_layernorm and post_feedforward_layernorm; its
+    pre_feedforward_layernorm is the norm before the MLP), the sliding-window layers."""
+
+    norm_plus_one: bool
+    activation: int
+    out_norms: bool
+    windowed: tuple[bool, ...]
+
+    @staticmethod
+    def of(decoder: torch.nn.Module, config) -> LayerForm | None:
+        """The form of `decoder`'s layers, or None where decoder.c does not compute them."""
+        # Gemma names its activation hidden_activation (hidden_act is its older name)
+        name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if name not in ACTIVATIONS or getattr(config, "attn_logit_softcapping", None):
+            return None
+        if getattr(config, "use_bidirectional_attention", False):
+            return None
+        layers = decoder.layers
+        if len({len(_out_norms(layer)) for layer in layers}) > 1:
+            return None
+        norms = [norm for layer in layers for norm in _norms(layer)] + [decoder.norm]
+        kinds = {NORMS.get(type(norm).__name__) for norm in norms}
+        epsilons = {_epsilon(norm) for norm in norms}
+        if len(kinds) > 1 or None in kinds or len(epsilons) > 1:
+            return None  # the C code has one norm and one epsilon for every norm
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(layers)
+        if len(types) != len(layers) or not set(types) <= {"full_attention",
+                                                            "sliding_attention"}:
+            return None
+        windowed = tuple(kind == "sliding_attention" for kind in types)
+        if any(windowed) and not getattr(config, "sliding_window", None):
+            return None
+        return LayerForm(kinds == {1}, ACTIVATIONS[name], bool(_out_norms(layers[0])), windowed)
+
+
+def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every norm of a layer: input, before the MLP, the outputs' (Gemma), q's and k's."""
+    return [layer.input_layernorm, _mlp_norm(layer), *_out_norms(layer),
+            *_head_norms(layer.self_attn)]
+
+
+def _mlp_norm(layer: torch.nn.Module) -> torch.nn.Module:
+    """The norm before the MLP: Gemma's pre_feedforward_layernorm (its post_attention_layernorm
+    norms the attention's output), Llama's post_attention_layernorm."""
+    return getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+
+
+def _out_norms(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """Gemma's norms of the attention's and the MLP's outputs, or () where it has none."""
+    if getattr(layer, "post_feedforward_layernorm", None) is None:
+        return ()
+    return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+
+
+def _epsilon(norm: torch.nn.Module) -> float | None:
+    return getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
 
 
 def _addresses(tensors: list[torch.Tensor | None]) -> ctypes.Array:
@@ -181,7 +260,8 @@ class CDecoder:
         layers = decoder.layers
         if kernel() is None or any(parts is None for parts in fused):
             return None
-        if getattr(config, "hidden_act", None) != "silu":
+        form = LayerForm.of(decoder, config)
+        if form is None:
             return None
         if config.hidden_size % 16 or config.intermediate_size % 16:
             return None
@@ -189,20 +269,20 @@ class CDecoder:
             modules = (layer.self_attn.o_proj, layer.mlp.down_proj)
             if not all(isinstance(m, PROJECTIONS) and m.bias is None for m in modules):
                 return None
-            if parts.gate_up.bias is not None:
+            if parts.gate_up is None or parts.gate_up.bias is not None:
                 return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm,
-                     *_head_norms(layer.self_attn))
-            if not all(type(norm).__name__.endswith("RMSNorm")
-                       and getattr(norm, "variance_epsilon", None)
-                       == layer.input_layernorm.variance_epsilon for norm in norms):
-                return None  # the C code has one epsilon for every norm
         if len({len(_head_norms(layer.self_attn)) for layer in layers}) > 1:
             return None  # q/k norms in some layers only: no model has that
-        return CDecoder(decoder, config, fused)
+        if len({layer.self_attn.scaling for layer in layers}) > 1:
+            return None  # one attention scale for every layer
+        return CDecoder(decoder, config, fused, form)
 
-    def __init__(self, decoder: torch.nn.Module, config, fused: list) -> None:
+    form: LayerForm | None = None  # None: Llama's layers, no window (a subclass's)
+
+    def __init__(self, decoder: torch.nn.Module, config, fused: list,
+                 form: LayerForm) -> None:
         layers = decoder.layers
+        self.form = form
         attention = layers[0].self_attn
         self.threads = None  # default: torch.get_num_threads() at each call
         # every size the C code reads a weight or a vector by, checked here against the model's
@@ -214,8 +294,16 @@ class CDecoder:
         bf16 = torch.bfloat16
         input_norms = _vectors([layer.input_layernorm.weight for layer in layers], hidden, bf16,
                                "input norm")
-        post_norms = _vectors([layer.post_attention_layernorm.weight for layer in layers],
-                              hidden, bf16, "post-attention norm")
+        post_norms = _vectors([_mlp_norm(layer).weight for layer in layers], hidden, bf16,
+                              "MLP's norm")
+        out_norms = [None, None]  # the attention's and the MLP's outputs' norms (Gemma)
+        if form.out_norms:
+            out_norms = [ctypes.cast(_vectors([_out_norms(layer)[i].weight for layer in layers],
+                                              hidden, bf16, name), _pointers)
+                         for i, name in enumerate(("attention output's norm",
+                                                   "MLP output's norm"))]
+        windowed = ((ctypes.c_ubyte * len(layers))(*form.windowed) if any(form.windowed)
+                    else None)
         _vectors([decoder.norm.weight], hidden, bf16, "final norm")
         qkv_biases = _vectors([parts.qkv.bias for parts in fused], qkv_width, torch.float32,
                               "q/k/v bias")
@@ -229,14 +317,16 @@ class CDecoder:
                                                 for layer in layers], head_dim, bf16, name),
                                       _pointers) for name in ("q_norm", "k_norm")]
         # kept alive: the struct points into them
-        self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down, head_norms]
+        self._arrays = [input_norms, post_norms, qkv_biases, qkv, o, gate_up, down, head_norms,
+                        out_norms, windowed]
         self.struct = DecoderStruct(
             len(layers), config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, attention.head_dim, config.intermediate_size,
-            layers[0].input_layernorm.variance_epsilon, attention.scaling,
+            _epsilon(layers[0].input_layernorm), attention.scaling,
             ctypes.cast(input_norms, _pointers), ctypes.cast(post_norms, _pointers),
             decoder.norm.weight.data_ptr(), qkv, ctypes.cast(qkv_biases, _pointers), o, gate_up,
-            down, *head_norms)
+            down, *head_norms, int(form.norm_plus_one), form.activation, *out_norms,
+            ctypes.cast(windowed, ctypes.POINTER(ctypes.c_ubyte)) if windowed else None)
         self._weights = (decoder, fused)  # the addresses above stay valid while these live
         self.library = kernel()
 
@@ -254,7 +344,16 @@ class CDecoder:
         struct = SegmentsStruct(count, *ints, ctypes.cast(keys, _pointers),
                                 ctypes.cast(values, _pointers), capacity,
                                 ctypes.cast(masks, _pointers), strides)
-        struct._keep = (ints, keys, values, capacity, masks, strides)
+        window = None
+        if self.form is not None and any(self.form.windowed):  # where each window starts
+            views = [p.window or (0, None) for p in parts]
+            window = ((ctypes.c_int * count)(*[start for start, _ in views]),
+                      (ctypes.c_void_p * count)(*[mask and mask[0] for _, mask in views]),
+                      (ctypes.c_int64 * count)(*[mask[1] if mask else 0 for _, mask in views]))
+            struct.window_start = ctypes.cast(window[0], ctypes.POINTER(_i32))
+            struct.window_masks = ctypes.cast(window[1], _pointers)
+            struct.window_mask_strides = ctypes.cast(window[2], ctypes.POINTER(_i64))
+        struct._keep = (ints, keys, values, capacity, masks, strides, window)
         return struct
 
     def _threads(self) -> int:
@@ -268,21 +367,25 @@ class CDecoder:
             raise MemoryError(f"{name}: out of memory")
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: SegmentsStruct) -> torch.Tensor:
+                segments: SegmentsStruct, local: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """Every layer and the final norm on hidden [rows, hidden] (embedded rows, bf16,
-        contiguous; updated in place), cos/sin [rows, head_dim] bf16. Returns the normed rows."""
+        contiguous; updated in place), cos/sin [rows, head_dim] bf16; `local`: the windowed
+        layers' cos and sin, where they rotate by a table of their own. Returns the normed
+        rows."""
         hidden_size, head_dim = self.sizes
         rows = hidden.shape[0]
         if (hidden.dtype != torch.bfloat16 or not hidden.is_contiguous()
                 or hidden.shape != (rows, hidden_size)
                 or any(t.dtype != torch.bfloat16 or not t.is_contiguous()
-                       or t.shape != (rows, head_dim) for t in (cos, sin))):
+                       or t.shape != (rows, head_dim) for t in (cos, sin, *(local or ())))):
             raise ValueError(f"C decoder: rows [{rows}, {hidden_size}] and cos/sin [{rows}, "
                              f"{head_dim}] bf16 contiguous, not {tuple(hidden.shape)}, "
                              f"{tuple(cos.shape)}, {tuple(sin.shape)}")
         out = torch.empty_like(hidden)
         status = self.library.dresd_decoder(
             ctypes.byref(self.struct), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
-            sin.data_ptr(), ctypes.byref(segments), out.data_ptr(), self._threads())
+            sin.data_ptr(), *([t.data_ptr() for t in local] if local else [None, None]),
+            ctypes.byref(segments), out.data_ptr(), self._threads())
         self._check(status, "dresd_decoder")
         return out
