@@ -13,9 +13,11 @@
 For `llama`, `qwen2` and `qwen3` the forward is dresd's own (`decoding/forward.LlamaForward` on
 the C decoder; Qwen3's per-head q/k norms included), with the file's rope scaling as llama.cpp
 reads it (`file_rope_parameters`; Llama 3.x's `rope_freqs` tensor: `divide_rope_frequencies`);
-a `gemma3` file (Gemma-3's text model: sliding-window layers, tied embedding) runs
-transformers' `Gemma3ForCausalLM` forward (`forward.HFForward`, which keeps the window under
-speculation) with the same quantized linears in the C kernel. Either way every method runs on
+a `gemma3` file (Gemma-3's text model: sliding-window layers, tied embedding) is built as
+transformers' `Gemma3ForCausalLM` and runs on the same C decoder in its Gemma form
+(`kernels/decoder.LayerForm`: Gemma's norms, GELU-tanh, the windowed layers with their own
+rope), or on transformers' forward (`forward.HFForward`) where the C decoder does not build.
+Either way every method runs on
 the file's own weights with the same batch-invariance as a bf16 model: the reference for a GGUF
 model is its own plain decoding on the same file.
 
@@ -63,7 +65,8 @@ Q = GGMLQuantizationType
 C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # `LlamaForward`'s layers
 HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on q and k
 MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
-ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3: transformers' forward
+ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3: its own config and layers
+C_DECODER_RUNS = ARCHITECTURES  # gemma3's layers too, on the C decoder's Gemma form
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
 
@@ -309,7 +312,7 @@ def describe(reader: GGUFReader) -> dict:
     runs = f"no ({'; '.join(why_not)})" if why_not else "yes"
     forward = None
     if not why_not:  # the linears run in the C quantized kernel either way
-        forward = ("dresd's C decoder" if architecture in C_DECODER_ARCHITECTURES else
+        forward = ("dresd's C decoder" if architecture in C_DECODER_RUNS else
                    "transformers' forward, its linears in dresd's C quantized kernel")
         if architecture in MOE_ARCHITECTURES:
             forward += ", each layer's experts in C (kernels/experts.c)"
