@@ -26,6 +26,9 @@ rotary embedding pairs neighbouring dimensions, transformers' pairs the two halv
 `unpermute_rows` undoes that, whole rows at a time, so the blocks stay as they are. A Gemma-3
 file has no such permutation (llama.cpp ropes it NEOX-style, as transformers does); its norms
 are stored plus one (`gemma3_config` and `_fill_gemma3` say what else differs).
+
+A `qwen3moe` file runs as a `qwen3` one, each layer's MLP its experts: `_Tensors.experts` reads
+the router and the 3-D expert tensors into a `kernels/experts.MoEMLP`, run in C.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from dresd.errors import DresdError
 from dresd.host import cache_dir
 from dresd.kernels import quant
 from dresd.kernels.experts import MoEMLP
+from dresd.kernels.experts import kernel as experts_kernel
 from dresd.kernels.linear import InvariantLinear, dense_weight
 from dresd.kernels.linear import kernel as linear_kernel
 
@@ -881,6 +885,10 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
                         "an x86 CPU with AVX2, FMA and F16C (or AVX-512) and a C compiler; "
                         "this machine has not got them (see `dresd --version`).")
+    if architecture in MOE_ARCHITECTURES and experts_kernel() is None:
+        raise GGUFError(f"{path}: a mixture-of-experts file runs its experts on dresd's C "
+                        "kernel (kernels/experts.c), which could not be built here (or "
+                        "DRESD_CPU_EXPERTS=0).")
     sizes = check_model_tensors(reader, path, architecture)
     tensors = _Tensors(reader, path)
     config, tokenizer = config_and_tokenizer(path, reader)
