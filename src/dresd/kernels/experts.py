@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -45,11 +46,16 @@ class ExpertsStruct(ctypes.Structure):
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
-    if c_decoder.kernel() is None:
+    """The compiled kernel (compiled on first use, then cached), or None where it cannot be
+    (`DRESD_CPU_EXPERTS=0` too, and on aarch64 unless `DRESD_CPU_EXPERTS=1`, as the decoder;
+    then a MoE file is refused). `DRESD_CPU_DECODER=0` leaves it:
+    the layers then run in PyTorch, each layer's experts still here (`MoEMLP`)."""
+    if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
-    library = kernels.load(SOURCE, c_decoder.FLAGS, "DRESD_CPU_DECODER",
-                           "the experts one by one in PyTorch",
+    if getattr(kernels.tier(), "arch", "x86_64") != "x86_64" \
+            and os.environ.get("DRESD_CPU_EXPERTS") != "1":
+        return None  # its element-wise steps (decoder.c's) not yet run on aarch64
+    library = kernels.load(SOURCE, c_decoder.FLAGS, "DRESD_CPU_EXPERTS", "no MoE models",
                            includes=(c_decoder.SOURCE, cpu_linear.SOURCE, cpu_attention.SOURCE,
                                      quant.SOURCE, *kernels.HEADERS))
     if library is None:
@@ -183,7 +189,8 @@ class MoEDecoder(CDecoder):
         """The decoder, or None where the C code does not apply (the kernel missing; a layer's
         projections, norms or activation other than the dense decoder takes)."""
         layers = decoder.layers
-        if kernel() is None or not is_moe(decoder) or any(parts is None for parts in fused):
+        if (kernel() is None or c_decoder.kernel() is None or not is_moe(decoder)
+                or any(parts is None for parts in fused)):
             return None
         if getattr(config, "hidden_act", None) != "silu" or config.hidden_size % 16:
             return None
