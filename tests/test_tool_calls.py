@@ -48,6 +48,16 @@ SEARCH = {"type": "function", "function": {
                                      "required": ["query"]}}}
 NOW = {"type": "function", "function": {"name": "now"}}  # no parameters at all
 TOOLS = [WEATHER, SEARCH, NOW]
+# parameters as pydantic writes them: $defs and a $ref, a property named like a keyword
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "$defs": {"when": {"type": "object",
+                                         "properties": {"day": {"type": "string"}}}},
+    "properties": {"properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                   "when": {"$ref": "#/$defs/when"},
+                   "rooms": {"type": "array", "items": {"type": "object", "properties": {
+                       "beds": {"type": "integer"}}}},
+                   "notes": {"type": "object", "additionalProperties": True,
+                             "properties": {"x": {"type": "string"}}}}}}}
 
 
 def counter_ids():
@@ -531,13 +541,33 @@ def test_named_and_parallel_schemas():
         jsonschema.validate([], parallel)
     # the tool's own schema is copied, never changed
     assert "strict" not in json.dumps(tool_call_schema([WEATHER], "required"))
-    tool_call_schema(TOOLS, "required")["anyOf"][0]["properties"]["arguments"]["x"] = 1
+    tool_call_schema(TOOLS, "required")["$defs"]["tool0"]["x"] = 1
     assert "x" not in WEATHER["function"]["parameters"]
     for choice in ("auto", "none", {"type": "function", "function": {"name": "missing"}}):
         with pytest.raises(RequestError):
             tool_call_schema(TOOLS, choice)
     with pytest.raises(RequestError):
         tool_call_schema([], "required")
+
+
+def test_call_arguments_take_only_the_properties_a_tool_names():
+    """A tool whose schema says nothing of other keys takes none, however deep (as llama.cpp
+    reads a schema); a schema that allows them keeps them; names that look like keywords are
+    property names, not schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    for tool, good, bad in [
+            (SEARCH, {"query": "x"}, {"query": "x", "columns": {"name": "y"}}),
+            (BOOK, {"properties": {"a": 1}, "when": {"day": "Mon"}, "rooms": [{"beds": 2}],
+                      "notes": {"x": "y", "free": 1}},
+             {"properties": {"a": 1, "b": 2}}),
+            (BOOK, {"when": {"day": "Mon"}}, {"when": {"day": "Mon", "hour": 3}}),
+            (BOOK, {"rooms": [{"beds": 1}]}, {"rooms": [{"beds": 1, "cots": 1}]})]:
+        schema = tool_call_schema([tool], "required")
+        jsonschema.Draft202012Validator.check_schema(schema)
+        jsonschema.validate({"name": tool["function"]["name"], "arguments": good}, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": tool["function"]["name"], "arguments": bad}, schema)
+    assert "additionalProperties" not in SEARCH["function"]["parameters"]  # a copy was closed
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -562,8 +592,15 @@ def test_grammar_takes_calls_in_hermes_markers(parallel):
         return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
     one = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+    assert not accepts(one.replace('"x"', '"x", "columns": 1'))  # a key search does not take
     two = one + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     assert accepts(one)
     assert accepts(two) == parallel
     assert not accepts('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>')
     assert not accepts('Sure! ' + one)
+    # a tool's own references resolve inside the call grammar
+    booking = llguidance.grammar_from("lark", tool_call_grammar([BOOK], "required"))
+    assert llguidance.LLMatcher.validate_grammar(booking) == ""
+    compiled = booking
+    call = '<tool_call>\n{"name": "book", "arguments": {"when": {"day": "Mon"%s}}}\n</tool_call>'
+    assert accepts(call % "") and not accepts(call % ', "hour": 3')

@@ -748,13 +748,63 @@ def join_deltas(deltas: Iterable[dict]) -> tuple[str | None, list[dict]]:
 # --- constraint ------------------------------------------------------------------------------
 
 
-def _call_schema(tool: dict) -> dict:
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its properties and says nothing of others
+    taking no others (`additionalProperties: false`), in place; returned for convenience.
+
+    Why: JSON Schema lets an object without `additionalProperties` hold any other key, and a
+    small model under a call grammar then invents arguments the function does not take and
+    nests them until `max_tokens` (seen with the default model on a one-argument tool). A
+    function takes the arguments it names; llama.cpp's grammars read a schema the same way."""
+    if isinstance(schema, list):
+        for item in schema:
+            closed_objects(item)
+    if not isinstance(schema, dict):
+        return schema
+    if isinstance(schema.get("properties"), dict):
+        schema.setdefault("additionalProperties", False)
+        for value in schema["properties"].values():
+            closed_objects(value)
+    for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties",
+                "not", "if", "then", "else"):
+        closed_objects(schema.get(key))
+    for key in ("$defs", "definitions"):
+        for value in (schema.get(key) or {}).values():
+            closed_objects(value)
+    return schema
+
+
+# values that are data, not schemas: a "$ref" key inside them is not a reference
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """The schema with every local reference ("#", "#/$defs/x", ...) made to start at `base`,
+    a JSON pointer to where the schema now sits inside a larger one; in place."""
+    if isinstance(schema, list):
+        for item in schema:
+            _rebased(item, base)
+    elif isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            schema["$ref"] = base + ref[1:]
+        for key, value in schema.items():
+            if key not in _DATA_KEYWORDS:
+                _rebased(value, base)
+    return schema
+
+
+def _call_schema(tool: dict, key: str, defs: dict) -> dict:
+    """One call of `tool`: its name, and its parameters (closed, see `closed_objects`) kept in
+    the root's `defs[key]`, so that the references inside them ("#/$defs/...", as pydantic
+    writes them) still resolve from there."""
     function = _function(tool)
-    parameters = copy.deepcopy(function.get("parameters") or {"type": "object",
-                                                              "properties": {}})
+    parameters = closed_objects(copy.deepcopy(function.get("parameters")
+                                              or {"type": "object", "properties": {}}))
+    defs[key] = _rebased(parameters, f"#/$defs/{key}")
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                           "arguments": parameters},
+                           "arguments": {"$ref": f"#/$defs/{key}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False}
 
@@ -764,7 +814,8 @@ def tool_call_schema(tools: Sequence[dict], tool_choice: Any = "required",
     """A JSON schema of the call(s) `tool_choice` demands: for "required" one call of any of
     the tools, `{"name": <its name>, "arguments": <its parameters' schema>}` (anyOf over the
     tools), for a named function that one's only. parallel: a list of one or more such calls
-    (the JSON-list form); for calls in Hermes markers use `tool_call_grammar`."""
+    (the JSON-list form); for calls in Hermes markers use `tool_call_grammar`. Each tool's
+    parameters sit in the root's `$defs` (as `tool0`, `tool1`, ...)."""
     name = chosen_function(tool_choice)
     if name is not None:
         chosen = [t for t in tools if _function(t).get("name") == name]
@@ -778,11 +829,11 @@ def tool_call_schema(tools: Sequence[dict], tool_choice: Any = "required",
     else:
         raise RequestError('a tool call schema is for tool_choice "required" or a named '
                            "function", param="tool_choice")
-    branches = [_call_schema(t) for t in chosen]
+    defs: dict[str, dict] = {}
+    branches = [_call_schema(tool, f"tool{index}", defs) for index, tool in enumerate(chosen)]
     one = branches[0] if len(branches) == 1 else {"anyOf": branches}
-    if parallel:
-        return {"type": "array", "items": one, "minItems": 1}
-    return one
+    schema = {"type": "array", "items": one, "minItems": 1} if parallel else one
+    return {**schema, "$defs": defs}
 
 
 def tool_call_grammar(tools: Sequence[dict], tool_choice: Any = "required",
