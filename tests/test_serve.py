@@ -337,8 +337,9 @@ WEATHER = [{"type": "function", "function": {
     "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
                    "properties": {"city": {"type": "string"},
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+    # maxLength: under a grammar the default model writes a zone string until max_tokens
     {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string"}}}}}]
+        "type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}}}}]
 
 
 def test_a_required_tool_call_is_a_call_for_every_method_whole_and_streamed(client):
