@@ -593,6 +593,7 @@ def test_grammar_takes_calls_in_hermes_markers(parallel):
 
     one = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
     assert not accepts(one.replace('"x"', '"x", "columns": 1'))  # a key search does not take
+    assert not accepts(one.replace('{"query"', '{\n    "query"'))  # one layout: ", " and ": "
     two = one + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     assert accepts(one)
     assert accepts(two) == parallel

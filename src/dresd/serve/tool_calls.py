@@ -58,6 +58,7 @@ import jinja2
 import jinja2.meta
 import jinja2.sandbox
 
+from dresd.decoding.constraint import JSON_LAYOUT
 from dresd.serve.engine import RequestError
 
 # --- the request's fields --------------------------------------------------------------------
@@ -841,7 +842,11 @@ def tool_call_grammar(tools: Sequence[dict], tool_choice: Any = "required",
     """A Lark grammar (llguidance's dialect) of the call(s) in Hermes markers, the JSON inside
     by `tool_call_schema`: `<tool_call>\\n{...}\\n</tool_call>`, one block, or with parallel
     one or more apart by a new line. What `HermesFormat` parses back."""
-    schema = json.dumps(tool_call_schema(tools, tool_choice, parallel=False))
+    # one layout of the JSON (JSON_LAYOUT: ", " and ": ", no other white space): without it a
+    # small model indents and pads a call with new lines until max_tokens (seen with the
+    # default model: 160 tokens for `{"table": "employees"}`), and the separators are forced
+    schema = json.dumps({**tool_call_schema(tools, tool_choice, parallel=False),
+                         "x-guidance": JSON_LAYOUT})
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return (f'{start}\n'
             'call: "<tool_call>\\n" arguments "\\n</tool_call>"\n'
