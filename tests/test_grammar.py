@@ -70,6 +70,8 @@ def constrained_plain(model, tokenizer, compiled: Grammar, prompt: list[int]) ->
         if token == tokenizer.eos_token_id:
             break
         assert matcher.consume_token(token)
+        if matcher.is_stopped():  # the grammar allows only the end: the output ends here
+            break
     return out
 
 
@@ -106,7 +108,8 @@ def test_constrained_greedy_is_constrained_plain_decoding(model, tokenizer, kind
     if kind == "json_schema":  # what finished is an object of the schema
         for result in results:
             if result.stop_reason == "eos":
-                value = json.loads(tokenizer.decode(result.token_ids[:-1]))
+                text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+                value = json.loads(text)
                 assert set(value) == {"colour", "count", "ok"}
 
 
@@ -151,3 +154,20 @@ def test_forced_tokens_are_drafted_even_for_ar(model, tokenizer):
 def test_a_bad_grammar_is_one_clear_error(model, tokenizer, kind, spec):
     with pytest.raises(GrammarError):
         grammar(tokenizer, model, kind, spec)
+
+
+def test_the_grammars_end_is_the_outputs_end(model, tokenizer):
+    """A request whose stop tokens are not the grammar's end-of-text token (a chat that stops
+    at <|im_end|> over a GGUF tokenizer whose EOS is <|endoftext|>) still ends where the
+    grammar allows nothing more, for every drafter, instead of emitting end-of-text tokens up
+    to max_new_tokens."""
+    compiled = grammar(tokenizer, model, "choice", ["yes", "no", "maybe not"])
+    prompt = prompts(tokenizer)[1]
+    requests = [Request(prompt=prompt, drafter=drafter, max_new_tokens=MAX_NEW,
+                        eos_token_ids=(), constraint=compiled.start())
+                for drafter in drafters(0, prompt, [], model.config.vocab_size)[:4]]
+    results = run_batched(model, requests, [0] * len(requests), max_batch_size=4)
+    assert len({tuple(r.token_ids) for r in results}) == 1
+    for result in results:
+        assert result.stop_reason == "eos" and len(result.token_ids) < MAX_NEW
+        assert tokenizer.decode(result.token_ids) in ("yes", "no", "maybe not")

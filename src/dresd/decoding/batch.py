@@ -536,10 +536,15 @@ class BatchEngine:
             state.n += 1
             result.token_ids.append(token)
             result.stop_reason = state.stopping.reason(result.token_ids) or ""
+            if request.constraint is not None:  # its grammar's state moves with each token
+                request.constraint.commit([token])
+                if not result.stop_reason and request.constraint.finished():
+                    # the grammar allows nothing more: its end is the output's end, here
+                    # rather than after end-of-text tokens up to max_tokens where the
+                    # grammar's end-of-text token is not one the request stops at
+                    result.stop_reason = "eos"
             if result.stop_reason:
                 break
-        if request.constraint is not None:  # its grammar's state moves with what it emitted
-            request.constraint.commit(result.token_ids[first:])
         max_length = request.max_length or state.prompt_len + request.max_new_tokens
         if not result.stop_reason and state.n >= max_length:
             result.stop_reason = "max_length"

@@ -153,6 +153,10 @@ class Constraint:
         allowed[:width] = np.unpackbits(bits, bitorder="little")[:width]
         return torch.from_numpy(allowed)
 
+    def finished(self) -> bool:
+        """Whether the grammar allows nothing more but the end of the text."""
+        return self.matcher.is_stopped()
+
     def commit(self, tokens: list[int]) -> None:
         """The tokens the sequence emitted (each one the grammar allowed)."""
         for token in tokens:
