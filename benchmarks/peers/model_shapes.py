@@ -1,0 +1,190 @@
+"""F16 GGUF files of random weights in the shapes of the models people pick, for llama.cpp's own
+`llama-quantize` to quantize and both engines to time (speed does not depend on the values):
+
+- `llama-3.2-3b`: Llama-3.2-3B's config with its Llama 3 rope scaling (factor 32, original
+  context 8192) as llama.cpp's converter stores it, a `rope_freqs` tensor; tied embedding.
+- `qwen3-4b`: Qwen3-4B's (36 layers, head size 128 beside a hidden size of 2560, q/k RMSNorm);
+  tied embedding.
+- `gemma3-1b`: Gemma-3-1B's (26 layers, window 512, every 6th layer global, head size 256,
+  four norms a layer); tied embedding.
+- `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 used, the router in F32)
+  for `--layers` of its 48 layers (each layer is ~1.2 GB in F16, ~0.3 GB in Q4_K_M).
+
+Every file has its model's whole vocabulary: the default model's tokenizer (49,152 tokens)
+padded with `[PAD<i>]` tokens of type UNUSED, as llama.cpp's converter pads Qwen's, so that
+the embedding and the LM head are the real ones' size and llama.cpp loads the file.
+
+Tensors of one shape share one random array (the file holds each in full; the writer holds one
+copy), so writing the 4B model's 8 GB takes ~1 GB of memory.
+
+    PYTHONPATH=src:tests python benchmarks/peers/model_shapes.py qwen3-4b OUT-F16.gguf
+
+benchmarks/peers/model_shapes.sh quantizes them and times both engines on the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf_files import default_tokens
+
+from dresd.models import ensure_default_model
+
+UNUSED = int(gguf.TokenType.UNUSED)
+
+
+@dataclass(frozen=True)
+class Config:
+    arch: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float = 1e-6
+    tied: bool = True
+    window: int = 0  # gemma3: its sliding window
+    experts: int = 0  # qwen3moe: expert count, used per token, each expert's hidden size
+    experts_used: int = 0
+    expert_ffn: int = 0
+    llama3_rope: dict | None = None  # Llama 3's rope scaling, written as rope_freqs.weight
+
+
+CONFIGS = {
+    "llama-3.2-3b": Config("llama", 3072, 8192, 24, 8, 128, 28, 128256, 500000.0, 1e-5,
+                           llama3_rope={"factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}),
+    "qwen3-4b": Config("qwen3", 2560, 9728, 32, 8, 128, 36, 151936, 1_000_000.0),
+    "gemma3-1b": Config("gemma3", 1152, 6912, 4, 1, 256, 26, 262144, 1_000_000.0, window=512),
+    "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
+                            tied=False, experts=128, experts_used=8, expert_ffn=768),
+}
+
+
+def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it: per rotated pair, 1 for short
+    wavelengths, `factor` for long ones, and 1 / ((1 - smooth) / factor + smooth) between."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (old_context / wavelengths - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelengths < old_context / high, 1.0,
+                    np.where(wavelengths > old_context / low, factor, between)
+                    ).astype(np.float32)
+
+
+def add_padded_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
+    """The default model's byte-level tokenizer, its token list padded to `vocab`."""
+    tokens, token_types = default_tokens()
+    padding = vocab - len(tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in range(padding)])
+    writer.add_token_types(token_types + [UNUSED] * padding)
+    gguf.vocab.SpecialVocab(ensure_default_model(quiet=True), load_merges=True,
+                            n_vocab=vocab).add_to_gguf(writer, quiet=True)
+
+
+def write_file(config: Config, path: Path, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    shared: dict[tuple[int, ...], np.ndarray] = {}
+
+    def weights(*shape: int) -> np.ndarray:  # one random F16 array per shape
+        if shape not in shared:
+            scale = 1.0 / np.sqrt(shape[-1])
+            shared[shape] = (rng.standard_normal(shape, dtype=np.float32) * scale
+                             ).astype(np.float16)
+        return shared[shape]
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    c = config
+    writer = gguf.GGUFWriter(str(path), c.arch)
+    writer.add_name(f"random {c.arch} shape")
+    writer.add_block_count(c.layers)
+    writer.add_context_length(131072 if c.llama3_rope else 32768)
+    writer.add_embedding_length(c.hidden)
+    writer.add_feed_forward_length(c.intermediate)
+    writer.add_head_count(c.heads)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if c.arch == "llama":
+        writer.add_vocab_size(c.vocab)
+        writer.add_rope_dimension_count(c.head_dim)
+    if c.window:
+        writer.add_sliding_window(c.window)
+    if c.experts:
+        writer.add_expert_count(c.experts)
+        writer.add_expert_used_count(c.experts_used)
+        writer.add_expert_feed_forward_length(c.expert_ffn)
+    add_padded_tokenizer(writer, c.vocab)
+    if c.llama3_rope:
+        writer.add_tensor("rope_freqs.weight",
+                          llama3_rope_factors(c.llama3_rope, c.rope_theta, c.head_dim))
+    writer.add_tensor("token_embd.weight", weights(c.vocab, c.hidden))
+    q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    for i in range(c.layers):
+        blk = f"blk.{i}."
+        norm(blk + "attn_norm.weight", c.hidden)
+        norm(blk + "ffn_norm.weight", c.hidden)
+        if c.arch in ("qwen3", "qwen3moe", "gemma3"):
+            norm(blk + "attn_q_norm.weight", c.head_dim)
+            norm(blk + "attn_k_norm.weight", c.head_dim)
+        if c.arch == "gemma3":
+            norm(blk + "post_attention_norm.weight", c.hidden)
+            norm(blk + "post_ffw_norm.weight", c.hidden)
+        writer.add_tensor(blk + "attn_q.weight", weights(q_size, c.hidden))
+        writer.add_tensor(blk + "attn_k.weight", weights(kv_size, c.hidden))
+        writer.add_tensor(blk + "attn_v.weight", weights(kv_size, c.hidden))
+        writer.add_tensor(blk + "attn_output.weight", weights(c.hidden, q_size))
+        if c.experts:  # the router differs per layer, so each layer routes a row its own way
+            writer.add_tensor(blk + "ffn_gate_inp.weight", (0.05 * rng.standard_normal(
+                (c.experts, c.hidden), dtype=np.float32)))
+            writer.add_tensor(blk + "ffn_gate_exps.weight",
+                              weights(c.experts, c.expert_ffn, c.hidden))
+            writer.add_tensor(blk + "ffn_up_exps.weight",
+                              weights(c.experts, c.expert_ffn, c.hidden))
+            writer.add_tensor(blk + "ffn_down_exps.weight",
+                              weights(c.experts, c.hidden, c.expert_ffn))
+        else:
+            writer.add_tensor(blk + "ffn_gate.weight", weights(c.intermediate, c.hidden))
+            writer.add_tensor(blk + "ffn_up.weight", weights(c.intermediate, c.hidden))
+            writer.add_tensor(blk + "ffn_down.weight", weights(c.hidden, c.intermediate))
+    norm("output_norm.weight", c.hidden)
+    if not c.tied:
+        writer.add_tensor("output.weight", weights(c.vocab, c.hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(CONFIGS))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, help="this many of the model's layers")
+    args = parser.parse_args()
+    config = CONFIGS[args.shape]
+    if args.layers:
+        config = Config(**{**config.__dict__, "layers": args.layers})
+    write_file(config, args.out)
+
+
+if __name__ == "__main__":
+    main()
