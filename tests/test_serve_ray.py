@@ -12,7 +12,9 @@ shortened success, and the endpoint keeps answering.
 from __future__ import annotations
 
 import json
+import random
 import re
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +26,6 @@ import pytest
 import torch
 
 from dresd.serve.app import CACHED_TOKENS_BLOCK
-from dresd.serve.local import free_port
 
 ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'dresd[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve: pip install 'dresd[ray]'")
@@ -36,6 +37,21 @@ QUESTIONS = [f"What is {a} plus {b}? Answer in one sentence." for a, b in
              [(2, 3), (7, 5), (10, 4), (6, 6), (12, 9), (3, 8)]]
 
 
+def port_outside_rays_ranges() -> int:
+    """A free port that none of Ray's processes takes before the proxy binds it: below Linux's
+    ephemeral range (32768 and up, where Ray's own servers bind port 0) and above Ray's worker
+    ports (10002-19999). A port from binding port 0 here was taken by a Ray process between the
+    check and the proxy's start (CI: "Failed to bind to address '127.0.0.1:38499'")."""
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     from dresd.cli.main import build_parser
@@ -43,7 +59,7 @@ def deployment(tmp_path_factory):
     from dresd.serve import ray_serve
 
     saved = tmp_path_factory.mktemp("ray_serve") / "outputs.jsonl"
-    port = free_port()
+    port = port_outside_rays_ranges()
     args = build_parser().parse_args([
         "serve", "--ray", "--replicas", "2", "--threads", "1", "--dtype", "float32",
         "--max-new-tokens", str(MAX_TOKENS), "--method", "pld", "--host", "127.0.0.1",
