@@ -424,6 +424,45 @@ def test_anthropic_messages_whole_streamed_and_with_tools(server, default_refere
     assert status == 400 and refused["type"] == "error" and "max_tokens" in str(refused)
 
 
+def test_langchain_tools_and_structured_output(server, client):
+    """`langchain-openai` as agents use it: `bind_tools` with a required call (whole and
+    streamed), and `with_structured_output` of a pydantic model, each the reply the `openai`
+    client gets for the same request."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        return "sunny"
+
+    model = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model="SmolLM2-135M-Instruct",
+        max_tokens=48, temperature=0, max_retries=0, extra_body={"method": "hybrid"})
+    ask = "What is the weather in Paris?"
+    with_tools = model.bind_tools([get_weather], tool_choice="required")
+    [call] = with_tools.invoke(ask).tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+    streamed = None
+    for chunk in with_tools.stream(ask):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+    direct = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": ask}],
+        tools=[{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city now.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}],
+        tool_choice="required", max_tokens=48, temperature=0)
+    assert json.loads(direct.choices[0].message.tool_calls[0].function.arguments) == call["args"]
+    question = QUESTIONS[1] + " Answer in JSON."
+    answer = model.with_structured_output(Sum, method="json_schema").invoke(question)
+    parsed = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", response_format=Sum, max_tokens=48,
+        messages=[{"role": "user", "content": question}]).choices[0].message.parsed
+    assert isinstance(answer, Sum) and answer == parsed
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_gives_the_prompts_logprobs_as_lm_eval_asks(server, default_target, max_tokens):
     """lm-evaluation-harness's loglikelihood request (`local-completions`): the prompt as
