@@ -214,12 +214,24 @@ def test_cli_generates_from_a_gguf_file(tiny_files, capsys):
     assert record["num_new_tokens"] == 6
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_packing_in_slices_of_rows_gives_the_same_bytes(qtype, monkeypatch):
-    n, k = 200, 256  # 200 rows: slices of 64, the last one part of a group
-    raw = raw_tensor(qtype, n, k, seed=4)
-    monkeypatch.setattr(quant, "PACK_ROWS", 64)
-    assert torch.equal(quant.pack_rows(qtype, raw, n, k), quant.pack(qtype, raw, n, k))
+@pytest.mark.parametrize("qtype", list(quant.LAYOUTS), ids=lambda t: t.name)
+def test_packing_in_c_gives_numpys_bytes(qtype):
+    """quant.c's `dresd_quant_pack` (what loading runs) against quant.py's numpy `pack`, on
+    random bytes (every bit of every field, float16 NaNs among the scales), rows that end part
+    way into a group, rows farther apart than their bytes (a mapped slice), 1 and 2 threads."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    threads_before = torch.get_num_threads()
+    try:
+        for n, k in [(1, 256), (33, 512), (200, 768)]:
+            wide = rng.integers(0, 256, (n, k // block * size + 40), dtype=np.uint8)
+            raw = wide[:, 40:]  # each row 40 bytes after the last one's end
+            expected = quant.pack(qtype, np.ascontiguousarray(raw), n, k)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(quant.pack_blocks(qtype, raw, n, k), expected), (n, k)
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 # Gemma-3: sliding-window layers (window 8, the 6th layer global) on transformers' forward, its

@@ -286,7 +286,7 @@ SANITIZED_TESTS = ["tests/test_kernel_linear.py", "tests/test_kernel_attention.p
                    "tests/test_gguf.py", "tests/test_datastore_distrust.py",
                    "tests/test_gguf_qwen3moe.py"]
 SANITIZED_SELECTION = ("damaged_file or (not gguf_distrust and not test_gguf) "
-                       "or unpacked_blocks "
+                       "or unpacked_blocks or packing_in_c "
                        "or header_states or rows_beside or fused_projections "
                        "or experts_rows_as_alone or c_decoder_is_the_layer_loop")
 

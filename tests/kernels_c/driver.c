@@ -9,6 +9,8 @@
  * Job lines (files: raw little-endian arrays; "-" for an absent bias or mask):
  *   quant LAYOUT ROWS K N OUT_BF16 THREADS X PACKED BIAS Y
  *       dresd_quant_linear: X rows x K bf16, Y rows x N (bf16 or float32)
+ *   pack LAYOUT N K THREADS RAW PACKED
+ *       dresd_quant_pack: RAW n rows of a GGUF tensor's blocks over K, PACKED its packed bytes
  *   linear ROWS PAIRS N THREADS X PACKED BIAS Y
  *       dresd_linear: X rows x 2 PAIRS bf16, BIAS float32 padded to whole panels, Y rows x N
  *   attention HEADS KV_HEADS ROWS LENGTH DIM SCALE Q K V MASK MASK_STRIDE OUT
@@ -61,6 +63,21 @@ static int run(char *line) {
                                         threads);
         if (status == 0) status = write_file(out, y, bytes);
         free(x); free(packed); free(bias); free(y);
+        return status;
+    }
+    if (!strcmp(kind, "pack")) {
+        int layout, n, k, threads;
+        long raw_bytes;
+        if (sscanf(line, "%*s %d %d %d %d %511s %511s", &layout, &n, &k, &threads, a[0], out)
+            != 6) return -1;
+        uint8_t *raw = read_file(a[0], &raw_bytes);
+        size_t bytes = (size_t)((n + QPARTS * QLANES - 1) / (QPARTS * QLANES))
+                       * dresd_quant_group_bytes(layout, k);
+        uint8_t *packed = malloc(bytes);
+        if (!raw || !packed) return -2;
+        int status = dresd_quant_pack(layout, raw, raw_bytes / n, n, k, packed, threads);
+        if (status == 0) status = write_file(out, packed, bytes);
+        free(raw); free(packed);
         return status;
     }
     if (!strcmp(kind, "linear")) {

@@ -141,7 +141,16 @@ def quant_cases(suite: Suite) -> None:
     for qtype, layout in quant.LAYOUTS.items():
         n, k = 50, 256  # 50 outputs: a group of 32 and a part-filled one
         raw = raw_tensor(qtype, n, k, rng)
-        packed = suite.array(quant.pack(qtype, raw, n, k).numpy())
+        expected_packing = quant.pack(qtype, raw, n, k).numpy()
+        expected_bytes = expected_packing.tobytes()
+        packed = suite.array(expected_packing)
+        # 0. packing in C (what loading runs) gives numpy's bytes, at 1 and 2 threads
+        for t in (1, 2):
+            packing = suite.job("pack", layout.number, n, k, t, suite.array(raw))
+
+            def packed_as_numpy(out, packing=packing, expected=expected_bytes):
+                assert out[packing] == expected
+            suite.check(f"quant {qtype.name}: packed in C at {t} threads = numpy", packed_as_numpy)
         x = torch.from_numpy(rng.standard_normal((rows, k))).to(torch.bfloat16)
         bias = torch.from_numpy(rng.standard_normal(n)).float()
         x_file, bias_file = suite.array(x), suite.array(bias)

@@ -375,3 +375,172 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
     free(xq); free(dx); free(sx);
     return 0;
 }
+
+/* ---- Repacking: a GGUF tensor's blocks into the layout above, once, at load ----------------
+ * (quant.py's `pack` is the same in numpy: the tests hold this to its bytes.) Each row's
+ * blocks are first read into one form every type shares: q[k] unsigned; per block of 32, d and
+ * c as float16 bits (c: types with a minimum); K-quants: per 256 k dsuper (and dmin) as float16
+ * bits, and per block of 32 two bytes of integer scales (Q4_K, Q5_K: scale and minimum; Q6_K:
+ * the int8 scales of its two halves). The GGUF blocks (ggml-common.h):
+ *   Q4_0 d, qs[16]          Q4_1 d, m, qs[16]        Q8_0 d, qs[32] (int8)
+ *   Q5_0 d, qh[4], qs[16]   Q5_1 d, m, qh[4], qs[16]
+ *   Q4_K d, dmin, scales[12], qs[128]    Q5_K d, dmin, scales[12], qh[32], qs[128]
+ *   Q6_K ql[128], qh[64], scales[16] (int8), d
+ * where a byte of qs holds element j in its low nibble and j + 16 (Q4_K: + 32) in its high. */
+typedef struct {
+    uint8_t *q;        /* [k] */
+    uint16_t *d, *c;   /* [k / 32] float16 bits (not K-quants) */
+    uint16_t *dsuper, *dmin;  /* [k / 256] float16 bits (K-quants) */
+    uint8_t *scales;   /* [k / 32][2] (K-quants) */
+} DecodedRow;
+
+/* Bytes of one GGUF block of each layout (32 k; K-quants: 256 k), by layout number. */
+static const int GGUF_BLOCK_BYTES[] = {18, 20, 34, 22, 24, 144, 176, 210};
+static inline int gguf_block_k(int layout) { return LAYOUTS[layout].kquant ? 256 : 32; }
+
+static inline uint16_t half_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+static void decode_row(int layout, const uint8_t *raw, int k, DecodedRow r) {
+    const int per = gguf_block_k(layout), blocks = k / per;
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *x = raw + (int64_t)b * GGUF_BLOCK_BYTES[layout];
+        uint8_t *q = r.q + (int64_t)b * per;
+        switch (layout) {
+        case 0: case 1: {  /* Q4_0, Q4_1 */
+            const uint8_t *qs = x + (layout ? 4 : 2);
+            for (int j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
+            r.d[b] = half_at(x);
+            if (layout == 1) r.c[b] = half_at(x + 2);
+            break;
+        }
+        case 2:  /* Q8_0: int8 + 128 */
+            for (int j = 0; j < 32; j++) q[j] = (uint8_t)(x[2 + j] ^ 0x80);
+            r.d[b] = half_at(x);
+            break;
+        case 3: case 4: {  /* Q5_0, Q5_1: bit j of qh (little-endian) is element j's bit 4 */
+            const uint8_t *qh = x + (layout == 3 ? 2 : 4), *qs = qh + 4;
+            uint32_t high = (uint32_t)qh[0] | qh[1] << 8 | qh[2] << 16 | (uint32_t)qh[3] << 24;
+            for (int j = 0; j < 16; j++) {
+                q[j] = (qs[j] & 15) | ((high >> j) & 1) << 4;
+                q[j + 16] = (qs[j] >> 4) | ((high >> (j + 16)) & 1) << 4;
+            }
+            r.d[b] = half_at(x);
+            if (layout == 4) r.c[b] = half_at(x + 2);
+            break;
+        }
+        case 5: case 6: {  /* Q4_K, Q5_K: eight 6-bit scales and minimums in 12 bytes */
+            const uint8_t *s = x + 4, *qh = x + 16, *qs = x + (layout == 5 ? 16 : 48);
+            uint8_t *sc = r.scales + (int64_t)b * 16;
+            for (int i = 0; i < 4; i++) {
+                sc[2 * i] = s[i] & 63;
+                sc[2 * i + 1] = s[i + 4] & 63;
+                sc[2 * (i + 4)] = (s[i + 8] & 15) | (s[i] >> 6) << 4;
+                sc[2 * (i + 4) + 1] = (s[i + 8] >> 4) | (s[i + 4] >> 6) << 4;
+            }
+            for (int pair = 0; pair < 4; pair++)  /* sub-blocks 2 pair and 2 pair + 1 */
+                for (int l = 0; l < 32; l++) {
+                    q[64 * pair + l] = qs[32 * pair + l] & 15;
+                    q[64 * pair + 32 + l] = qs[32 * pair + l] >> 4;
+                }
+            if (layout == 6)  /* bit s of qh[l]: sub-block s's element l, bit 4 */
+                for (int sub = 0; sub < 8; sub++)
+                    for (int l = 0; l < 32; l++) q[32 * sub + l] |= ((qh[l] >> sub) & 1) << 4;
+            r.dsuper[b] = half_at(x);
+            r.dmin[b] = half_at(x + 2);
+            break;
+        }
+        default: {  /* Q6_K: element 128h + 32i + l: a nibble of ql, two bits of qh */
+            const uint8_t *ql = x, *qh = x + 128;
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 4; i++)
+                    for (int l = 0; l < 32; l++) {
+                        uint8_t low = ql[64 * h + 32 * (i % 2) + l];
+                        low = i < 2 ? low & 15 : low >> 4;
+                        q[128 * h + 32 * i + l] = low | ((qh[32 * h + l] >> (2 * i)) & 3) << 4;
+                    }
+            memcpy(r.scales + (int64_t)b * 16, x + 192, 16);
+            r.dsuper[b] = half_at(x + 208);
+            break;
+        }
+        }
+    }
+}
+
+/* Panel lane `lane`'s part of block b: its quants (the header's order) and scales. */
+static void place_block(QLayout l, const DecodedRow *r, int b, int lane, uint8_t *block) {
+    const uint8_t *q = r->q + (int64_t)b * QBLOCK;
+    if (l.nibbles) {
+        for (int reg = 0; reg < 4; reg++)
+            for (int j = 0; j < 4; j++)
+                block[64 * reg + 4 * lane + j] =
+                    (q[8 * reg + j] & 15) | (q[8 * reg + 4 + j] & 15) << 4;
+        if (l.six)
+            for (int plane = 0; plane < 2; plane++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t bits = 0;
+                    for (int t = 0; t < 4; t++)
+                        bits |= ((q[4 * (4 * plane + t) + j] >> 4) & 3) << (2 * t);
+                    block[256 + 64 * plane + 4 * lane + j] = bits;
+                }
+    } else {
+        for (int reg = 0; reg < 8; reg++) memcpy(block + 64 * reg + 4 * lane, q + 4 * reg, 4);
+    }
+    uint8_t *scales = block + quant_bytes(l);
+    if (l.kquant) {
+        scales[lane] = r->scales[2 * b];
+        scales[16 + lane] = r->scales[2 * b + 1];
+        return;
+    }
+    memcpy(scales + 2 * lane, &r->d[b], 2);
+    if (l.has_min) memcpy(scales + 32 + 2 * lane, &r->c[b], 2);
+}
+
+/* raw: n rows of a `layout` tensor's GGUF blocks over k inputs, row stride raw_stride bytes;
+ * packed: ceil(n / 32) groups of dresd_quant_group_bytes (zeroed by this: rows past n stay
+ * zero). Groups are independent, spread over `threads`. Returns 0, -1 without memory, -2 for
+ * sizes it does not take (it writes nothing then). */
+int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, int k,
+                     uint8_t *packed, int threads) {
+    if (layout < 0 || layout >= (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0])) || n < 1
+        || k < QBLOCK || k % gguf_block_k(layout)
+        || raw_stride < (int64_t)k / gguf_block_k(layout) * GGUF_BLOCK_BYTES[layout])
+        return -2;
+    const QLayout l = LAYOUTS[layout];
+    const int groups = (n + QPARTS * QLANES - 1) / (QPARTS * QLANES), blocks = k / QBLOCK;
+    const int supers = blocks / SUPER;
+    const int64_t group_stride = dresd_quant_group_bytes(layout, k);
+    const int64_t super_stride = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+    memset(packed, 0, (size_t)groups * group_stride);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
+    {
+        DecodedRow r = {malloc(k), malloc(2 * (size_t)blocks), malloc(2 * (size_t)blocks),
+                        malloc(2 * (size_t)supers + 2), malloc(2 * (size_t)supers + 2),
+                        malloc(2 * (size_t)blocks)};
+        int ready = r.q && r.d && r.c && r.dsuper && r.dmin && r.scales;
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            if (!ready) {  /* every thread still takes its share of the loop */
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            uint8_t *group = packed + g * group_stride;
+            for (int part = 0; part < QPARTS; part++)
+                for (int lane = 0; lane < QLANES; lane++) {
+                    int64_t row = (int64_t)g * QPARTS * QLANES + part * QLANES + lane;
+                    if (row >= n) continue;  /* padding: zeros */
+                    decode_row(layout, raw + row * raw_stride, k, r);
+                    for (int b = 0; b < blocks; b++)
+                        place_block(l, &r, b, lane, (uint8_t *)block_at(l, group, b, part));
+                    for (int s = 0; s < supers && l.kquant; s++) {  /* K-quants' headers */
+                        uint8_t *header = group + s * super_stride + part * header_bytes(l);
+                        memcpy(header + 2 * lane, &r.dsuper[s], 2);
+                        if (l.has_min) memcpy(header + 32 + 2 * lane, &r.dmin[s], 2);
+                    }
+                }
+        }
+        free(r.q); free(r.d); free(r.c); free(r.dsuper); free(r.dmin); free(r.scales);
+    }
+    return failed ? -1 : 0;
+}
