@@ -42,11 +42,12 @@ import struct
 import tempfile
 from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -116,26 +117,19 @@ def is_gguf(name: str) -> bool:
     return name.lower().endswith(".gguf")
 
 
-def _field(reader: GGUFReader, key: str):
+def _field(reader: GGUFFile, key: str):
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """The file's reader (tensors memory-mapped), or one clear error for a file that is not
-    there, not GGUF, damaged or truncated. The header is walked first (`check_header`): the
-    `gguf` package's reader trusts every count and length it reads (a huge array count loops
-    over the whole file, a type number it does not know raises deep inside)."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file, its header read and its tensors memory-mapped, or one clear error for a file
+    that is not there, not GGUF, damaged or truncated: every count, length, type, shape and
+    offset of the header is checked as it is read (`read_header`). (The `gguf` package's reader
+    trusts them, and took 6-10 s on a 128k vocabulary: a numpy view per string.)"""
     if not path.is_file():
         raise GGUFError(f"GGUF file {str(path)!r} does not exist.")
-    check_header(path)
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as err:  # the reader's own errors: bad magic, short reads, bad offsets
-        raise GGUFError(f"{path} is not a readable GGUF file ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else 'no detail'}); is it "
-                        "damaged or truncated?") from err
-    return reader
+    return read_header(path)
 
 
 # --- the header, distrusted ---------------------------------------------------------------
@@ -144,10 +138,13 @@ def open_gguf(path: Path) -> GGUFReader:
 # first, type, offset from the data section); padding to the alignment; the data section.
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
-_SCALARS = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.UINT16: 2,
-            GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4,
-            GGUFValueType.FLOAT32: 4, GGUFValueType.BOOL: 1, GGUFValueType.UINT64: 8,
-            GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+# each scalar type's struct format (little-endian: "<" + format) and numpy type
+_SCALARS = {GGUFValueType.UINT8: ("B", np.uint8), GGUFValueType.INT8: ("b", np.int8),
+            GGUFValueType.UINT16: ("H", np.uint16), GGUFValueType.INT16: ("h", np.int16),
+            GGUFValueType.UINT32: ("I", np.uint32), GGUFValueType.INT32: ("i", np.int32),
+            GGUFValueType.FLOAT32: ("f", np.float32), GGUFValueType.BOOL: ("?", np.bool_),
+            GGUFValueType.UINT64: ("Q", np.uint64), GGUFValueType.INT64: ("q", np.int64),
+            GGUFValueType.FLOAT64: ("d", np.float64)}
 
 
 @dataclass(frozen=True)
@@ -161,10 +158,42 @@ class TensorInfo:
     n_bytes: int
 
 
+@dataclass(frozen=True)
+class Field:
+    """One metadata entry's value, as Python values (`contents()`, as the `gguf` package's
+    reader gives it: a number, a string, or a list of them)."""
+
+    value: Any
+
+    def contents(self) -> Any:
+        return self.value
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor: its header entry and its bytes, mapped (uint8 [rows, bytes per row])."""
+
+    name: str
+    tensor_type: Q
+    shape: tuple[int, ...]  # innermost first, as GGUF lists them
+    n_bytes: int
+    data_offset: int  # from the start of the file
+    data: np.ndarray
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's metadata (`fields`), tensors, and the memory map they read (`data`)."""
+
+    fields: dict[str, Field]
+    tensors: list[GGUFTensor]
+    data: np.memmap
+    data_offset: int  # where the data section starts
+
+
 class _Cursor:
     """Reads the header's little-endian fields, every length checked against the bytes left."""
 
-    def __init__(self, data: bytes | mmap.mmap, path: Path) -> None:
+    def __init__(self, data: memoryview, path: Path) -> None:
         self.data, self.path, self.at = data, path, 0
 
     def fail(self, what: str) -> GGUFError:
@@ -190,53 +219,50 @@ class _Cursor:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
 
-    def value(self, kind: int, key: str, depth: int = 0) -> int | None:
-        """Skips one metadata value of type `kind`; an unsigned scalar's value (the alignment),
-        else None."""
+    def value(self, kind: int, key: str, depth: int = 0) -> Any:
+        """One metadata value of type `kind`, read: a number, a string, or a list of them."""
         try:
             kind = GGUFValueType(kind)
         except ValueError:
             raise self.fail(f"metadata {key!r} has value type {kind}, which GGUF has not") \
                 from None
         if kind in _SCALARS:
-            size = _SCALARS[kind]
-            start = self.take(size, f"metadata {key!r}")
-            return int.from_bytes(self.data[start:start + size], "little")
+            return self.number(_SCALARS[kind][0], f"metadata {key!r}")
         if kind == GGUFValueType.STRING:
-            self.string(f"metadata {key!r}")
-            return None
+            return self.string(f"metadata {key!r}")
         if depth > 2:
             raise self.fail(f"metadata {key!r} nests arrays deeper than GGUF files do")
         item = self.number("I", f"metadata {key!r}'s item type")
         count = self.number("Q", f"metadata {key!r}'s length")
         if item in _SCALARS:  # fixed-size items: one check for all of them
-            self.take(count * _SCALARS[GGUFValueType(item)], f"metadata {key!r} ({count} items)")
-            return None
+            dtype = np.dtype(_SCALARS[GGUFValueType(item)][1]).newbyteorder("<")
+            start = self.take(count * dtype.itemsize, f"metadata {key!r} ({count} items)")
+            return np.frombuffer(self.data, dtype, count, start).tolist()  # no view kept
         if count * 8 > len(self.data) - self.at:  # every string or array item takes 8 bytes
             raise self.fail(f"metadata {key!r} claims {count} items")
-        for _ in range(count):
-            self.value(item, key, depth + 1)
-        return None
+        return [self.value(item, key, depth + 1) for _ in range(count)]
 
 
-def check_header(path: Path) -> list[TensorInfo]:
-    """The file's tensor infos, after every count, length, type, shape and offset of its header
-    has been checked against the file itself: each tensor's data lies inside the file's data
-    section, aligned, apart from every other tensor's. One `GGUFError` naming the file (and the
-    tensor, where one is at fault) otherwise."""
-    with open(path, "rb") as file:
-        try:
-            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # an empty file cannot be mapped
-            data = b""
+def read_header(path: Path) -> GGUFFile:
+    """The file's metadata and tensors, after every count, length, type, shape and offset of
+    its header has been checked against the file itself: each tensor's data lies inside the
+    file's data section, aligned, apart from every other tensor's. One `GGUFError` naming the
+    file (and the tensor, where one is at fault) otherwise."""
     try:
-        return _walk_header(_Cursor(data, path))
-    finally:
-        if isinstance(data, mmap.mmap):
-            data.close()
+        data = np.memmap(path, np.uint8, mode="r")
+    except ValueError:  # an empty file cannot be mapped
+        data = np.zeros(0, np.uint8)
+    fields, infos, start = _walk_header(_Cursor(memoryview(data), path))
+    tensors = []
+    for info in infos:
+        rows = int(np.prod(info.dims[1:], dtype=np.int64))
+        offset = start + info.offset
+        tensors.append(GGUFTensor(info.name, info.qtype, info.dims, info.n_bytes, offset,
+                                  data[offset:offset + info.n_bytes].reshape(rows, -1)))
+    return GGUFFile(fields, tensors, data, start)
 
 
-def _walk_header(cursor: _Cursor) -> list[TensorInfo]:
+def _walk_header(cursor: _Cursor) -> tuple[dict[str, Field], list[TensorInfo], int]:
     path = cursor.path
     cursor.take(4, "the magic")
     if bytes(cursor.data[0:4]) != b"GGUF":
@@ -251,11 +277,15 @@ def _walk_header(cursor: _Cursor) -> list[TensorInfo]:
     if fields * 13 > left or tensors * 24 > left:
         raise cursor.fail(f"the header claims {tensors} tensors and {fields} metadata entries")
     alignment = 32  # GGUF's default, unless general.alignment says otherwise
+    # the `gguf` package's reader lists these three as fields too (fingerprints include them)
+    metadata = {"GGUF.version": Field(version), "GGUF.tensor_count": Field(tensors),
+                "GGUF.kv_count": Field(fields)}
     for _ in range(fields):
         key = cursor.string("a metadata key")
         value = cursor.value(cursor.number("I", f"metadata {key!r}'s type"), key)
+        metadata[key] = Field(value)
         if key == "general.alignment":
-            if not value or value & (value - 1):
+            if type(value) is not int or value < 1 or value & (value - 1):
                 raise cursor.fail(f"general.alignment is {value}, not a power of two")
             alignment = value
     infos = []
@@ -299,10 +329,10 @@ def _walk_header(cursor: _Cursor) -> list[TensorInfo]:
             raise GGUFError(f"{path} is damaged: tensor {before.name!r}'s data ({before.n_bytes}"
                             f" bytes at offset {before.offset}) runs into tensor "
                             f"{after.name!r}'s (at {after.offset}).")
-    return infos
+    return metadata, infos, start
 
 
-def describe(reader: GGUFReader) -> dict:
+def describe(reader: GGUFFile) -> dict:
     """What `dresd inspect`-style output says about a file: architecture, name, tensor types
     with their counts, parameters and bytes."""
     types: dict[str, int] = {}
@@ -334,7 +364,7 @@ def describe(reader: GGUFReader) -> dict:
             "forward": forward}
 
 
-def gguf_fingerprint(reader: GGUFReader) -> str:
+def gguf_fingerprint(reader: GGUFFile) -> str:
     """sha256 of the file's metadata and a few of its tensors' bytes (as `model_fingerprint`
     does for a checkpoint: cheap, and different for any two different files in practice)."""
     digest = hashlib.sha256()
@@ -359,7 +389,7 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 class _Tensors:
     """The file's tensors by name, each checked for a type dresd runs."""
 
-    def __init__(self, reader: GGUFReader, path: Path) -> None:
+    def __init__(self, reader: GGUFFile, path: Path) -> None:
         self.path = path
         self.mapping = getattr(reader.data, "_mmap", None)  # the file, memory-mapped
         self.by_name = {tensor.name: tensor for tensor in reader.tensors}
@@ -484,7 +514,7 @@ class _FloatHead(torch.nn.Module):
         return self.layer(x.float())
 
 
-def _number(reader: GGUFReader, path: Path, key: str, default=None):
+def _number(reader: GGUFFile, path: Path, key: str, default=None):
     """A scalar metadata value, `default` where the file has none; a clear error where the file
     has an array (a per-layer value dresd does not take) or nothing and there is no default."""
     value = _field(reader, key)
@@ -498,7 +528,7 @@ def _number(reader: GGUFReader, path: Path, key: str, default=None):
     return value
 
 
-def gemma3_config(reader: GGUFReader, path: Path) -> Gemma3TextConfig:
+def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
     """A Gemma-3 file's transformers config, read as llama.cpp reads the file
     (`src/models/gemma3.cpp`, `conversion/gemma.py`), not as transformers' GGUF loader does:
     that one takes neither the attention scale, nor the global layers' rope scaling, nor the
@@ -595,7 +625,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def file_rope_parameters(reader: GGUFReader, path: Path, architecture: str) -> dict:
+def file_rope_parameters(reader: GGUFFile, path: Path, architecture: str) -> dict:
     """A Llama-family file's rotary embedding as transformers' `config.rope_parameters`, read
     as llama.cpp reads it (`llama_model::load_hparams`, `llama_context`'s YaRN set-up):
 
@@ -648,7 +678,7 @@ def divide_rope_frequencies(rotary: torch.nn.Module, factors: torch.Tensor) -> N
     rotary.original_inv_freq = rotary.inv_freq.clone()
 
 
-def _token_rows(reader: GGUFReader, path: Path) -> int:
+def _token_rows(reader: GGUFFile, path: Path) -> int:
     """The vocabulary the model has rows for: the token embedding's (the converter cuts rows
     past the tokenizer's vocabulary, so they need not be the config's original size)."""
     for tensor in reader.tensors:
@@ -686,7 +716,7 @@ class Sizes:
 C_INT = 2**31 - 1  # the C kernels take sizes as int
 
 
-def _size(reader: GGUFReader, path: Path, key: str, default: int | None = None) -> int:
+def _size(reader: GGUFFile, path: Path, key: str, default: int | None = None) -> int:
     """A size from the metadata: a whole number from 1 to what a C int holds."""
     value = _number(reader, path, key, default)
     if isinstance(value, (bool, str)) or not float(value).is_integer() \
@@ -695,7 +725,7 @@ def _size(reader: GGUFReader, path: Path, key: str, default: int | None = None) 
     return int(value)
 
 
-def model_sizes(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
+def model_sizes(reader: GGUFFile, path: Path, architecture: str) -> Sizes:
     """The sizes the file's metadata states, read as llama.cpp reads them (head size: the key
     length, else hidden / heads), and checked to fit together."""
     if architecture == "gemma3":
@@ -726,7 +756,7 @@ def model_sizes(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
     return sizes
 
 
-def moe_routing(reader: GGUFReader, path: Path, architecture: str) -> bool:
+def moe_routing(reader: GGUFFile, path: Path, architecture: str) -> bool:
     """Whether a MoE file's chosen experts' weights are renormalised to sum to 1
     (`expert_weights_norm`; llama.cpp's qwen3moe always does, transformers' GGUF reading
     defaults to it); one error for routing dresd does not run: gating other than softmax,
@@ -790,7 +820,7 @@ def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
     return expected
 
 
-def check_model_tensors(reader: GGUFReader, path: Path, architecture: str) -> Sizes:
+def check_model_tensors(reader: GGUFFile, path: Path, architecture: str) -> Sizes:
     """The validation pass before anything is built from the file, and before any C call: every
     tensor the architecture reads is present, of a type it may have, of the shape its metadata's
     sizes say. One `GGUFError` naming the tensor, the expected and the found shape otherwise.
@@ -820,16 +850,16 @@ def check_model_tensors(reader: GGUFReader, path: Path, architecture: str) -> Si
     embedding = "token_embd.weight"
     vocab = shape(embedding)[0] if embedding in by_name else 0  # any number of rows
     check(embedding, (vocab, sizes.hidden), SUPPORTED_TYPES)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens.data) > vocab:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) > vocab:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' has {vocab} rows for a tokenizer "
-                        f"of {len(tokens.data)} tokens.")
+                        f"of {len(tokens)} tokens.")
     if "output.weight" in by_name:
         check("output.weight", (vocab, sizes.hidden), SUPPORTED_TYPES)
     return sizes
 
 
-def config_and_tokenizer(path: Path, reader: GGUFReader
+def config_and_tokenizer(path: Path, reader: GGUFFile
                          ) -> tuple[AutoConfig, PreTrainedTokenizerBase]:
     """The file's transformers config and tokenizer. transformers reads both from the file's
     metadata, parsing its vocabulary each time (~8 s for a 49k vocabulary); so the first load
@@ -864,7 +894,7 @@ def config_and_tokenizer(path: Path, reader: GGUFReader
 
 
 def with_chat_template(tokenizer: PreTrainedTokenizerBase,
-                       reader: GGUFReader) -> PreTrainedTokenizerBase:
+                       reader: GGUFFile) -> PreTrainedTokenizerBase:
     """The tokenizer with the file's own chat template (`tokenizer.chat_template`), which
     transformers' GGUF reading leaves out: without it a chat prompt went to the model as raw
     text (the default model's Q4_1 file answered "What is 2 plus 3?" with its end of turn)."""
