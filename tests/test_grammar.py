@@ -6,6 +6,7 @@ grammar's forced tokens are drafted, so even `ar` takes fewer forwards than toke
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import llguidance
 import llguidance.hf
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import Request
-from dresd.decoding.constraint import Grammar, GrammarError
+from dresd.decoding.constraint import Grammar, GrammarError, ThinkTokens
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
 from dresd.models import ensure_default_model
 
@@ -171,3 +172,71 @@ def test_the_grammars_end_is_the_outputs_end(model, tokenizer):
     for result in results:
         assert result.stop_reason == "eos" and len(result.token_ids) < MAX_NEW
         assert tokenizer.decode(result.token_ids) in ("yes", "no", "maybe not")
+
+
+@torch.inference_mode()
+def plain_after_thinking(model, tokenizer, compiled: Grammar, prompt: list[int],
+                         think: ThinkTokens) -> list[int]:
+    """The reference for a model that thinks first, written apart from AfterThinking: free
+    argmax inside the think block, the grammar's masked argmax from the token after its end
+    (or from the first token, where the output opens no block)."""
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), compiled.text)
+    state = "thinking" if think.starts_inside else "open"
+    ids, out = list(prompt), []
+    for _ in range(MAX_NEW):
+        logits = model(torch.tensor([ids])).logits[0, -1].clone()
+        if state != "thinking":
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                                 bitorder="little")[: logits.shape[-1]].astype(bool)
+            if state == "open":
+                bits[think.start] = True
+            logits[~torch.from_numpy(bits)] = float("-inf")
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+        if token == tokenizer.eos_token_id:
+            break
+        if state == "open" and token == think.start or state == "thinking":
+            state = "answer" if state == "thinking" and token == think.end else "thinking"
+            continue
+        state = "answer"
+        assert matcher.consume_token(token)
+        if matcher.is_stopped():
+            break
+    return out
+
+
+def test_a_grammar_after_thinking_holds_the_answer_alone(model, tokenizer):
+    """A reasoning model's grammar applies from the end of its think block: free tokens inside
+    it, the grammar's from the next one, for every drafter and batched as alone (drafts run
+    across the block's end within one step). The random model stands in for one that thinks:
+    its own unconstrained greedy tokens serve as the block's marks, so that it opens the
+    block (or not) and closes it at a known place."""
+    compiled = grammar(tokenizer, model, "json_schema", SCHEMA)
+    eos = [tokenizer.eos_token_id]
+    requests, references, thinks = [], [], []
+    for index, prompt in enumerate(prompts(tokenizer)):
+        free = constrained_plain(model, tokenizer, grammar(tokenizer, model, "regex", "(.|\n)*"),
+                                 prompt)
+        for think in (ThinkTokens(free[0], free[4], starts_inside=False),  # opens, closes
+                      ThinkTokens(free[1], free[3], starts_inside=True),  # opened in the prompt
+                      ThinkTokens(free[0] + 1, free[4], starts_inside=False)):  # never opens
+            reference = plain_after_thinking(model, tokenizer, compiled, prompt, think)
+            thinking = replace(compiled, think=think)
+            for drafter in drafters(index, prompt, reference, model.config.vocab_size):
+                requests.append(Request(prompt=prompt, drafter=drafter, max_new_tokens=MAX_NEW,
+                                        eos_token_ids=eos, constraint=thinking.start()))
+                references.append(reference)
+            thinks.append((think, reference, free))
+    arrivals = np.random.default_rng(2).integers(0, 6, len(requests)).tolist()
+    results = run_batched(model, requests, arrivals, max_batch_size=7)
+    for request, result, reference in zip(requests, results, references, strict=True):
+        assert result.token_ids == reference, type(request.drafter).__name__
+    for think, reference, free in thinks:
+        if think.start == reference[0] or think.starts_inside:  # thought freely, then answered
+            end = reference.index(think.end)
+            assert reference[:end + 1] == free[:end + 1]
+            answer = reference[end + 1:]
+        else:  # no block: the grammar from the first token
+            answer = reference
+        assert answer and compiled.start().allowed_prefix(answer) >= len(answer) - 1

@@ -136,3 +136,47 @@ def test_reasoning_then_tool_calls():
         content, calls = join_deltas(deltas)
         assert content is None
         assert [c["function"]["name"] for c in calls] == ["search"]
+
+
+def test_a_chats_grammar_holds_the_answer_after_a_reasoning_models_think_block():
+    """The server's grammar for a chat with a model whose tokenizer has `<think>` and
+    `</think>` (Qwen3's kind) starts after the block (constraint.AfterThinking), open from the
+    first token or from the prompt; for a model without them, and for completions, from the
+    first token."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from dresd.decoding.constraint import AfterThinking, Constraint
+    from dresd.models import ensure_default_model
+    from dresd.serve import protocol
+    from dresd.serve.app import request_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    plain = SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(
+        config=SimpleNamespace(vocab_size=len(tokenizer))))
+    thinking_tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    thinking_tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    thinking = SimpleNamespace(tokenizer=thinking_tokenizer, model=SimpleNamespace(
+        config=SimpleNamespace(vocab_size=len(thinking_tokenizer))))
+    chat = protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                          response_format={"type": "json_object"})
+    completion = protocol.CompletionRequest(prompt="hi", response_format={"type": "json_object"})
+
+    def ids(text: str) -> list[int]:
+        return thinking_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    assert type(request_grammar(chat, plain, ids("hi")).start()) is Constraint
+    assert type(request_grammar(completion, thinking, ids("hi")).start()) is Constraint
+    opened = request_grammar(chat, thinking, ids("assistant\n<think>\n")).start()
+    closed = request_grammar(chat, thinking, ids("assistant\n<think>\n\n</think>\n\n")).start()
+    start, end = thinking_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert isinstance(opened, AfterThinking) and opened.state == "thinking"
+    assert isinstance(closed, AfterThinking) and closed.state == "open"
+    brace = ids("{")
+    # inside the block anything goes, "{" starts the answer only after </think>
+    assert opened.allowed_prefix(ids("Let me see") + [end] + brace) == len(ids("Let me see")) + 2
+    assert opened.allowed_prefix(ids("Let me see") + [end] + ids("x")) == len(ids("Let me see")) + 1
+    # with the block not open: the first token opens it, or is the answer's
+    assert closed.allowed_prefix(ids("x")) == 0 and closed.allowed_prefix(brace) == 1
+    assert closed.allowed_prefix([start] + ids("x")) == 1 + len(ids("x"))

@@ -65,12 +65,24 @@ def _engine_tokenizer(tokenizer: PreTrainedTokenizerBase):
 
 
 @dataclass(frozen=True)
+class ThinkTokens:
+    """A reasoning model's think block: its opening and closing tokens, and whether the prompt
+    left one open (the output then starts inside it)."""
+
+    start: int
+    end: int
+    starts_inside: bool
+
+
+@dataclass(frozen=True)
 class Grammar:
     """A compiled grammar for one tokenizer; `start()` gives a sequence its own state."""
 
     tokenizer: PreTrainedTokenizerBase
     text: str  # llguidance's grammar, as `grammar_from_*` wrote it
     vocab_size: int  # the model's logits width (at least the tokenizer's)
+    # a model that thinks first: the grammar applies from the end of its think block
+    think: ThinkTokens | None = None
 
     @classmethod
     def compile(cls, kind: str, spec: object, tokenizer: PreTrainedTokenizerBase,
@@ -110,13 +122,14 @@ class Grammar:
             raise GrammarError(f"the {kind} cannot be compiled: {problem}")
         return cls(tokenizer, text, vocab_size)
 
-    def start(self) -> Constraint:
+    def start(self) -> Constraint | AfterThinking:
         """A sequence's constraint, at the grammar's start (no token emitted yet)."""
         engine = _llguidance()
         matcher = engine.LLMatcher(_engine_tokenizer(self.tokenizer), self.text)
         if matcher.is_error():
             raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size)
+        answer = Constraint(matcher, self.vocab_size)
+        return answer if self.think is None else AfterThinking(answer, self.think)
 
 
 def _regex_literal(text: str) -> str:
@@ -165,6 +178,74 @@ class Constraint:
             if not self.matcher.consume_token(int(token)):
                 raise RuntimeError(f"the grammar refused an emitted token ({token}): "
                                    f"{self.matcher.get_error()}")
+
+
+class AfterThinking:
+    """A grammar that applies from the end of a reasoning model's think block (the answer),
+    not to the reasoning before it: a Constraint's interface over three states of a path,
+
+    - "open": nothing emitted yet, no block open: the first token opens one (`<think>`) or
+      begins the answer, which the grammar then holds from that token on;
+    - "thinking": inside the block, every token allowed, up to and including `</think>`;
+    - "answer": the grammar's own state after the answer's tokens.
+
+    The state after a path is a function of the path alone, as a Constraint's is, so every
+    tree node's mask still follows its own path and speculation stays exact: a draft that
+    runs past `</think>` is held to the grammar from there, even within one step. (Where
+    reasoning ends inside speculated tokens, vLLM applied no grammar: its PR #36138.)"""
+
+    def __init__(self, answer: Constraint, think: ThinkTokens) -> None:
+        self.answer = answer
+        self.think = think
+        self.state = "thinking" if think.starts_inside else "open"
+
+    def _answer_start(self, tokens: list[int]) -> int | None:
+        """Where the answer begins in `tokens` emitted next (its first token's index; len
+        (tokens) where it begins right after them); None where the block is still open."""
+        state = self.state
+        for i, token in enumerate(tokens):
+            if state == "answer":
+                return i
+            if state == "open":
+                if token != self.think.start:
+                    return i
+                state = "thinking"
+            elif token == self.think.end:
+                state = "answer"
+        return len(tokens) if state == "answer" else None
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        begin = self._answer_start(tokens)
+        if begin is None:
+            return len(tokens)
+        return begin + self.answer.allowed_prefix(tokens[begin:])
+
+    def forced(self) -> list[int]:
+        return self.answer.forced() if self.state == "answer" else []
+
+    def mask_after(self, tokens: list[int]) -> torch.Tensor:
+        begin = self._answer_start(tokens)
+        if begin is not None:
+            return self.answer.mask_after(tokens[begin:])
+        if self._state_after(tokens) == "thinking":
+            return torch.ones(self.answer.vocab_size, dtype=torch.bool)
+        mask = self.answer.mask_after([])  # "open": the answer's first token, or the block's
+        mask[self.think.start] = True
+        return mask
+
+    def _state_after(self, tokens: list[int]) -> str:
+        return "open" if self.state == "open" and not tokens else "thinking"
+
+    def finished(self) -> bool:
+        return self.state == "answer" and self.answer.finished()
+
+    def commit(self, tokens: list[int]) -> None:
+        begin = self._answer_start(tokens)
+        if begin is None:
+            self.state = self._state_after(tokens)
+            return
+        self.state = "answer"
+        self.answer.commit(tokens[begin:])
 
 
 def constrain_drafts(constraint: Constraint, drafts: list[list[int]],

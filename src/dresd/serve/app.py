@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dresd.decoding.constraint import Grammar, GrammarError
+from dresd.decoding.constraint import Grammar, GrammarError, ThinkTokens
 from dresd.drafters.prediction import prediction_tokens
 from dresd.metrics import GenerationResult, TokenLogprob, summarize
 from dresd.serve import anthropic, chat_output, protocol
@@ -45,7 +45,7 @@ from dresd.serve.engine import (
 )
 from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
-from dresd.serve.reasoning import ReasoningParser, prompt_opens_think
+from dresd.serve.reasoning import THINK_END, THINK_START, ReasoningParser, prompt_opens_think
 from dresd.serve.tool_calls import HermesFormat, select_tool_format, tool_call_grammar
 
 log = logging.getLogger("dresd.serve")
@@ -230,7 +230,7 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
         # Off the event loop: a long prompt's tokenization, or a large schema's compilation,
         # must not hold other requests
         prompt_ids = await asyncio.to_thread(tokenize, body, target.tokenizer)
-        grammar = await asyncio.to_thread(request_grammar, body, target)
+        grammar = await asyncio.to_thread(request_grammar, body, target, prompt_ids)
         predicted = body.prediction_text()
         prediction = (None if predicted is None else
                       target.tokenizer(predicted, add_special_tokens=False)["input_ids"])
@@ -278,12 +278,20 @@ def chat_parsers(body: protocol.GenerationFields, tokenizer: PreTrainedTokenizer
         return None
     tools = body.tools if body.tools and body.tool_choice != "none" else None
     calls = select_tool_format(tokenizer, tools=tools) if tools else None
-    reasoning = thinks(tokenizer)
-    if not (calls or reasoning):
+    think = think_tokens(tokenizer, prompt_ids)
+    if not (calls or think):
         return None
-    starts_inside = reasoning and prompt_opens_think(
-        tokenizer.decode(prompt_ids, skip_special_tokens=False))
-    return lambda: ChatParsers(ReasoningParser(starts_inside) if reasoning else None, calls)
+    return lambda: ChatParsers(ReasoningParser(think.starts_inside) if think else None, calls)
+
+
+def think_tokens(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> ThinkTokens | None:
+    """A reasoning model's think block (`<think>` and `</think>`, each a token of its own) and
+    whether the chat prompt left it open; None for a model that does not think."""
+    added = tokenizer.get_added_vocab() if thinks(tokenizer) else {}
+    if THINK_START not in added or THINK_END not in added:
+        return None
+    return ThinkTokens(added[THINK_START], added[THINK_END], prompt_opens_think(
+        tokenizer.decode(prompt_ids, skip_special_tokens=False)))
 
 
 def tool_choice_grammar(body: protocol.ChatCompletionRequest,
@@ -301,10 +309,12 @@ def tool_choice_grammar(body: protocol.ChatCompletionRequest,
     return "lark", tool_call_grammar(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
-def request_grammar(body: protocol.GenerationFields, target) -> Grammar | None:
+def request_grammar(body: protocol.GenerationFields, target,
+                    prompt_ids: list[int]) -> Grammar | None:
     """The grammar the request's output must follow (`response_format` or the like, or a
     required tool call), compiled for the model's tokenizer; a grammar that does not compile
-    is a 400 naming its field."""
+    is a 400 naming its field. A chat with a reasoning model: the grammar holds the answer,
+    from the end of the think block (constraint.AfterThinking)."""
     spec = body.grammar_spec()
     field = next((name for name in protocol.GRAMMAR_FIELDS if getattr(body, name) is not None),
                  None)
@@ -318,9 +328,12 @@ def request_grammar(body: protocol.GenerationFields, target) -> Grammar | None:
     if spec is None:
         return None
     try:
-        return Grammar.compile(*spec, target.tokenizer, vocab_size(target))
+        grammar = Grammar.compile(*spec, target.tokenizer, vocab_size(target))
     except GrammarError as err:
         raise RequestError(str(err), param=field) from None
+    if isinstance(body, protocol.ChatCompletionRequest):
+        grammar = dataclasses.replace(grammar, think=think_tokens(target.tokenizer, prompt_ids))
+    return grammar
 
 
 def vocab_size(target) -> int:
