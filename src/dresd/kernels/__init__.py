@@ -118,6 +118,14 @@ def tier() -> Tier | None:
     return names[forced]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        return os.cpu_count() or 1
+
+
 def cpu_key() -> str:
     """What -march=native compiles for: the CPU's model name and flags."""
     return "\n".join([cpu_model(), *sorted(cpu_flags())])

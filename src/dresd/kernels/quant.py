@@ -272,9 +272,10 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
 
 
 def pack_blocks(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
-    """`pack` in C (quant.c's `dresd_quant_pack`): the same bytes, groups of rows spread over
-    torch's threads, read straight from the file's mapped rows (`raw`: uint8 [n, bytes per
-    row], each row contiguous). Loading a 2 GB Q4_K_M file packed in numpy at ~5 s a GB."""
+    """`pack` in C (quant.c's `dresd_quant_pack`): the same bytes, read straight from the
+    file's mapped rows (`raw`: uint8 [n, bytes per row], each row contiguous), groups of rows
+    spread over every core this process may use (a model loads before anything else runs, as
+    llama.cpp's does; numpy's `pack` took ~5 s a GB)."""
     block, size = GGML_QUANT_SIZES[qtype]
     if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape != (n, k // block * size):
         raise DresdError(f"a {qtype.name} tensor of {n} x {k} cannot hold {raw.shape} bytes")
@@ -282,7 +283,7 @@ def pack_blocks(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
         raw = np.ascontiguousarray(raw)
     packed = torch.empty(packed_bytes(qtype, n, k), dtype=torch.uint8)
     status = kernel().dresd_quant_pack(LAYOUTS[qtype].number, raw.ctypes.data, raw.strides[0],
-                                       n, k, packed.data_ptr(), torch.get_num_threads())
+                                       n, k, packed.data_ptr(), kernels.usable_cores())
     if status:
         raise DresdError(f"quant.c could not pack a {qtype.name} tensor of {n} x {k} "
                          f"(status {status})")
