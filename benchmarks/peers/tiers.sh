@@ -52,6 +52,7 @@ done
   echo "\`bash benchmarks/peers/tiers.sh\`."
   echo
   PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --summarize-files \
-    "$OUT/peers.jsonl" | tail -n +3
+    "$OUT/peers.jsonl" | tail -n +3 | sed -e 's/ Made by `bash benchmarks\/peers\/gguf_speed.sh`\.//' \
+    -e 's/^| file |/| tier |/'
 } > "$OUT/peers.md"
 cat "$OUT/peers.md"
