@@ -54,6 +54,12 @@ def grammar(tokenizer, model, kind: str, spec) -> Grammar:
     return Grammar.compile(kind, spec, tokenizer, model.config.vocab_size)
 
 
+def allowed(matcher, width: int) -> np.ndarray:
+    """bool [width]: the tokens a fresh llguidance matcher allows next."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                         bitorder="little")[:width].astype(bool)
+
+
 @torch.inference_mode()
 def constrained_plain(model, tokenizer, compiled: Grammar, prompt: list[int]) -> list[int]:
     """The reference, written apart from the loop: one forward per token over the whole
@@ -62,9 +68,7 @@ def constrained_plain(model, tokenizer, compiled: Grammar, prompt: list[int]) ->
     ids, out = list(prompt), []
     for _ in range(MAX_NEW):
         logits = model(torch.tensor([ids])).logits[0, -1].clone()
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
-                             bitorder="little")[: logits.shape[-1]].astype(bool)
-        logits[~torch.from_numpy(bits)] = float("-inf")
+        logits[~torch.from_numpy(allowed(matcher, logits.shape[-1]))] = float("-inf")
         token = int(logits.argmax())
         out.append(token)
         ids.append(token)
@@ -186,8 +190,7 @@ def plain_after_thinking(model, tokenizer, compiled: Grammar, prompt: list[int],
     for _ in range(MAX_NEW):
         logits = model(torch.tensor([ids])).logits[0, -1].clone()
         if state != "thinking":
-            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
-                                 bitorder="little")[: logits.shape[-1]].astype(bool)
+            bits = allowed(matcher, logits.shape[-1])
             if state == "open":
                 bits[think.start] = True
             logits[~torch.from_numpy(bits)] = float("-inf")

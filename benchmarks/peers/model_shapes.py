@@ -30,7 +30,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_files import default_tokens
+from gguf_files import default_tokens, llama3_rope_factors
 
 from dresd.models import ensure_default_model
 
@@ -67,19 +67,6 @@ CONFIGS = {
     "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
                             tied=False, experts=128, experts_used=8, expert_ffn=768),
 }
-
-
-def llama3_rope_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
-    """rope_freqs.weight as llama.cpp's converter computes it: per rotated pair, 1 for short
-    wavelengths, `factor` for long ones, and 1 / ((1 - smooth) / factor + smooth) between."""
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old_context = rope["original_max_position_embeddings"]
-    wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
-    smooth = (old_context / wavelengths - low) / (high - low)
-    between = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelengths < old_context / high, 1.0,
-                    np.where(wavelengths > old_context / low, factor, between)
-                    ).astype(np.float32)
 
 
 def add_padded_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
@@ -133,8 +120,8 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
         writer.add_expert_feed_forward_length(c.expert_ffn)
     add_padded_tokenizer(writer, c.vocab)
     if c.llama3_rope:
-        writer.add_tensor("rope_freqs.weight",
-                          llama3_rope_factors(c.llama3_rope, c.rope_theta, c.head_dim))
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(
+            {**c.llama3_rope, "rope_theta": c.rope_theta}, c.head_dim))
     writer.add_tensor("token_embd.weight", weights(c.vocab, c.hidden))
     q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
     for i in range(c.layers):
