@@ -64,6 +64,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from dresd.decoding.cache import keep_cache_entries, rollback_cache, sliding_window
 from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.sampling import greedy_tokens, top_two
+from dresd.errors import DresdError
 from dresd.fastpath import INVARIANT_ATTENTION
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
@@ -555,7 +556,7 @@ def supports_tree_attention(model: PreTrainedModel) -> bool:
     position 1) must give the same logits as the plain sequence [a, c]. A model that ignores or
     rejects the mask fails the check and is verified with linear drafts only.
     """
-    if LlamaForward.takes(model):
+    if LlamaForward.takes(model) or _recurrent().GatedDeltaNetForward.takes(model):
         return True
     cached = _TREE_ATTENTION.get(model)
     if cached is not None:
@@ -580,16 +581,34 @@ def supports_tree_attention(model: PreTrainedModel) -> bool:
     return ok
 
 
-Forward = LlamaForward | HFForward  # what `make_forward` gives
+# What `make_forward` gives (or decoding/recurrent.py's GatedDeltaNetForward: the same methods)
+Forward = LlamaForward | HFForward
+
+
+def _recurrent():
+    """decoding/recurrent.py, which builds on this module (imported when first asked)."""
+    from dresd.decoding import recurrent
+
+    return recurrent
 
 
 def make_forward(model: PreTrainedModel) -> Forward:
     """The batched Llama forward where the model is Llama-shaped (or Gemma-3's, where the C
-    decoder runs it), else transformers' own."""
+    decoder runs it), Qwen3.5's per-node recurrent states for its linear-attention layers,
+    else transformers' own. A model with other recurrent layers is refused: transformers'
+    forward cannot take back a state that a rejected draft changed."""
     if LlamaForward.takes(model):
         return LlamaForward(model)
     if LlamaForward.takes_on_c_decoder(model):
         forward = LlamaForward(model)
         if forward.c_decoder is not None:
             return forward
+    recurrent = _recurrent()
+    if recurrent.GatedDeltaNetForward.takes(model):
+        return recurrent.GatedDeltaNetForward(model)
+    if recurrent.has_recurrent_layers(model):
+        raise DresdError(
+            f"model type {model.config.model_type!r} keeps a recurrent state (linear-attention "
+            f"or state-space layers); dresd verifies drafts over such layers for Qwen3.5 "
+            f"({', '.join(recurrent.ARCHITECTURES)}) only")
     return HFForward(model)
