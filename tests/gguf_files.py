@@ -407,14 +407,14 @@ def llama_cpp_converter() -> Path | None:
     return found[-1] if found else None
 
 
-def convert_with_llama_cpp(folder: Path, path: Path) -> Path:
+def convert_with_llama_cpp(folder: Path, path: Path, *options: str) -> Path:
     """The folder as a bf16 GGUF file, by llama.cpp's own converter (it imports its own
-    gguf-py; nothing is built)."""
+    gguf-py; nothing is built); `options`: more of its command-line options."""
     import subprocess
     import sys
 
     subprocess.run([sys.executable, str(llama_cpp_converter()), str(folder), "--outtype",
-                    "bf16", "--outfile", str(path)], check=True, capture_output=True)
+                    "bf16", "--outfile", str(path), *options], check=True, capture_output=True)
     return path
 
 
@@ -533,3 +533,130 @@ def _add_experts(writer: gguf.GGUFWriter, name: str, weights: np.ndarray, qtype:
         data = data.reshape(*part.shape[:-1], -1)
         writer.add_tensor(blk + gguf_name + ".weight", data, raw_shape=data.shape,
                           raw_dtype=qtype)
+
+
+# --- Qwen3.5 (qwen35) ---------------------------------------------------------------------
+# a tiny Qwen3.5 text model: three Gated DeltaNet layers, then one full-attention layer;
+# twice as many value heads as key heads, so that the converter's value-head reorder matters
+QWEN35_SHAPE = dict(vocab_size=49152, hidden_size=128, intermediate_size=256,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                    max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25})
+# transformers' names in a Qwen3.5 layer -> llama.cpp's (the converter's tensor map for qwen35)
+QWEN35_LAYER_TENSORS = {
+    **LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.out_proj": "ssm_out", "linear_attn.norm": "ssm_norm",
+    "linear_attn.conv1d": "ssm_conv1d", "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt",
+}
+
+
+def qwen35_model(seed: int = 0):
+    """A random float32 `Qwen3_5ForCausalLM` of `QWEN35_SHAPE`, every weight a bf16 value: norms
+    near zero (the model multiplies by 1 + weight), decays and step sizes spread."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        num_hidden_layers=len(QWEN35_SHAPE["layer_types"]), **QWEN35_SHAPE))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("linear_attn.norm.weight"):
+                value = 1.0 + 0.1 * noise
+            elif name.endswith(("norm.weight", "dt_bias")):
+                value = 0.1 * noise
+            elif name.endswith("A_log"):
+                value = noise.clamp(-2, 2)
+            else:
+                value = noise * {"model.embed_tokens.weight": 1.0, "lm_head.weight": 0.3,
+                                 }.get(name, 0.3 if "conv1d" in name else 0.08)
+            parameter.copy_(value.to(torch.bfloat16).float())
+    return model.eval()
+
+
+def _tiled_value_heads(weights: np.ndarray, config, size: int, axis: int = 0) -> np.ndarray:
+    """The converter's reorder of value heads from grouped (head g * r + j) to tiled
+    (j * nk + g) along `axis`, `size` entries a head (`_LinearAttentionVReorderBase`)."""
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    if key_heads == value_heads:
+        return weights
+    moved = np.moveaxis(weights, axis, 0)
+    shape = moved.shape
+    moved = moved.reshape(key_heads, value_heads // key_heads, size, *shape[1:])
+    return np.moveaxis(moved.swapaxes(0, 1).reshape(shape), 0, axis)
+
+
+def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) -> Path:
+    """`model` (from `qwen35_model`) as llama.cpp's converter writes its folder with
+    `--no-mtp` (`Qwen3_5TextModel`, `Qwen3NextModel.modify_tensors`): norms plus one but the
+    Gated DeltaNet's own, ssm_a = -exp(A_log), the convolution squeezed, value heads tiled,
+    2-D weights in `linear_type` (the converter's bf16; another type quantized from them)."""
+    config = model.config
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_size = config.linear_value_head_dim
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_name("tiny converted model")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(value_size * config.linear_num_value_heads)
+    writer.add_array("qwen35.attention.recurrent_layers",  # (gguf 0.19 has no adder for it)
+                     [kind == "linear_attention" for kind in config.layer_types])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(config.head_dim
+                                        * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    add_default_tokenizer(writer)
+    rng = np.random.default_rng(0)
+    for name, value in model.state_dict().items():
+        weights = value.float().numpy()
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "lm_head.weight": "output.weight",
+                         "model.norm.weight": "output_norm.weight"}[name]
+        else:
+            _, _, index, rest = name.split(".", 3)
+            part = rest.removesuffix(".weight")
+            suffix = "" if part.endswith("A_log") else ".bias" if part.endswith("dt_bias") \
+                else ".weight"
+            gguf_name = f"blk.{index}.{QWEN35_LAYER_TENSORS[part]}{suffix}"
+            if part.endswith("A_log"):  # in torch's float32 exp, as the converter's
+                weights = (-torch.exp(torch.from_numpy(weights))).numpy()
+            if "conv1d" in part:
+                weights = weights.reshape(weights.shape[0], -1)
+            if part.endswith(("in_proj_qkv", "conv1d")):  # the value rows only
+                weights = np.concatenate([weights[:2 * key_dim], _tiled_value_heads(
+                    weights[2 * key_dim:], config, value_size)])
+            elif part.endswith("in_proj_z"):
+                weights = _tiled_value_heads(weights, config, value_size)
+            elif part.endswith(("in_proj_b", "in_proj_a", "A_log", "dt_bias")):
+                weights = _tiled_value_heads(weights, config, 1)
+            elif part.endswith("out_proj"):
+                weights = _tiled_value_heads(weights, config, value_size, axis=1)
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            weights = weights + 1
+        if weights.ndim == 1 or "conv1d" in name:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(weights, dtype=np.float32))
+        else:
+            data = tensor_bytes(linear_type, np.ascontiguousarray(weights), rng)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=linear_type)
+    return _finish(writer, path)

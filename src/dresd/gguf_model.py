@@ -70,8 +70,9 @@ Q = GGMLQuantizationType
 C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # `LlamaForward`'s layers
 HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on q and k
 MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
-ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3: its own config and layers
-C_DECODER_RUNS = ARCHITECTURES  # gemma3's layers too, on the C decoder's Gemma form
+# gemma3: its own config and layers; qwen35: its own too (gguf_qwen35.py), and its own forward
+ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3", "qwen35")
+C_DECODER_RUNS = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3 in the C decoder's Gemma form
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
 
@@ -368,6 +369,8 @@ def describe(reader: GGUFFile) -> dict:
     forward = None
     if not why_not:  # the linears run in the C quantized kernel either way
         forward = ("dresd's C decoder" if architecture in C_DECODER_RUNS else
+                   "dresd's per-node recurrent forward (decoding/recurrent.py), its linears in "
+                   "dresd's C quantized kernel" if architecture == "qwen35" else
                    "transformers' forward, its linears in dresd's C quantized kernel")
         if architecture in MOE_ARCHITECTURES:
             forward += ", each layer's experts in C (kernels/experts.c)"
@@ -630,6 +633,19 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
 
 
+def _qwen35():
+    """gguf_qwen35.py, which builds on this module (imported when first asked)."""
+    from dresd import gguf_qwen35
+
+    return gguf_qwen35
+
+
+# Architectures whose transformers config dresd reads from the metadata itself (cheap, so never
+# taken from the cache), not through transformers' GGUF mapping
+OWN_CONFIGS = {"gemma3": gemma3_config,
+               "qwen35": lambda reader, path: _qwen35().qwen35_config(reader, path)}
+
+
 # --- rotary embedding scaling, as llama.cpp reads it ---------------------------------------
 # llama.cpp's converter writes rope scaling two ways: `{arch}.rope.scaling.*` metadata (linear,
 # YaRN), and for Llama 3.1-3.3's "llama3" scaling a tensor, `rope_freqs.weight`: one factor per
@@ -749,8 +765,8 @@ def _size(reader: GGUFFile, path: Path, key: str, default: int | None = None) ->
 def model_sizes(reader: GGUFFile, path: Path, architecture: str) -> Sizes:
     """The sizes the file's metadata states, read as llama.cpp reads them (head size: the key
     length, else hidden / heads), and checked to fit together."""
-    if architecture == "gemma3":
-        return Sizes.of_config(gemma3_config(reader, path))
+    if architecture in OWN_CONFIGS:
+        return Sizes.of_config(OWN_CONFIGS[architecture](reader, path))
     key = f"{architecture}.{{}}".format
     hidden, heads = _size(reader, path, key("embedding_length")), \
         _size(reader, path, key("attention.head_count"))
@@ -866,7 +882,9 @@ def check_model_tensors(reader: GGUFFile, path: Path, architecture: str) -> Size
                             f"metadata needs {wanted} (outer size first).")
 
     present = set(by_name)
-    for name, (wanted, types) in expected_tensors(sizes, architecture, present).items():
+    expected = (expected_tensors(sizes, architecture, present) if architecture != "qwen35" else
+                _qwen35().expected_qwen35_tensors(_qwen35().qwen35_config(reader, path)))
+    for name, (wanted, types) in expected.items():
         check(name, wanted, types)
     embedding = "token_embd.weight"
     vocab = shape(embedding)[0] if embedding in by_name else 0  # any number of rows
@@ -889,8 +907,8 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
     file's config is dresd's reading (`gemma3_config`, cheap, so never taken from the cache);
     its tokenizer is transformers' (a sentencepiece vocabulary: its Gemma builder, which
     rebuilds the merges from the tokens' order; a byte-level one: as for Llama files)."""
-    own = gemma3_config(reader, path) if _field(reader, "general.architecture") == "gemma3" \
-        else None
+    architecture = _field(reader, "general.architecture")
+    own = OWN_CONFIGS[architecture](reader, path) if architecture in OWN_CONFIGS else None
     with open(path, "rb") as file:
         key = hashlib.sha256(file.read(reader.data_offset))
     folder = cache_dir() / "gguf" / key.hexdigest()[:24]
@@ -964,6 +982,8 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     model.eval()
     if architecture == "gemma3":
         _fill_gemma3(model, tensors)
+    elif architecture == "qwen35":
+        _qwen35().fill_qwen35(model, tensors)
     else:
         _fill_llama(model, tensors, architecture)
     decoder = model.model

@@ -3,35 +3,37 @@
 Qwen3.5 (and its mixture of experts) interleaves full-attention layers, which keep a KV cache
 like Llama's, with Gated DeltaNet layers, which keep a *recurrent state* instead: per layer a
 matrix S [value heads, key dim, value dim] and the last K-1 inputs of a short causal
-convolution. A token t updates them (gated delta rule, as transformers' reference computes it):
+convolution. A token t updates them (the gated delta rule; `kernels/recurrent.c` states it):
 
-    S_t = exp(g_t) S_{t-1}                          decay
-    S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T    write v_t at key k_t, in proportion beta_t
-    o_t = S_t^T q_t                                 read at the query
+    x_t  = silu(conv(last K-1 inputs, input_t))      -> q_t, k_t, v_t
+    S_t  = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T
+    o_t  = S_t^T q_t
 
 A KV cache keeps one entry per token, so a verify step writes every tree node and keeps the
 accepted path's rows. A recurrent state has no entries to keep or drop: the state after a node
-is a function of every token on its path. So here each tree node gets its own state, computed
-from its parent's (node 0's parent: the state after the sequence's last kept token), and after
-verification the state of the last accepted node becomes the sequence's; the other nodes'
-states are dropped, so a rejected branch leaves no trace. The convolution's window follows the
-same path: a node's window is its parent's with the node's input appended.
+is a function of every token on its path. So here:
 
-Each generated token's state is computed by the same function on the same inputs whether it
-came from a one-token `ar` step or from a node of a verified tree (a row's projections do not
-depend on the other rows: dresd's linears are row-invariant), so every method's output is
-`ar`'s, and a sequence's output does not depend on which others share its step. A prompt chunk
-is kept whole, so it runs transformers' chunked form of the same rule from the sequence's
-state, as transformers prefills.
+1. a forward computes each row from its parent's state (row 0's parent: the sequence's kept
+   state), and each row's convolution over the inputs on its own path; a rejected branch's
+   states are never written anywhere;
+2. `keep` rebuilds the kept state along the accepted path, from the per-row inputs the forward
+   saved (q, k, v, beta, g: a few kB a row), by the same rule: the state a one-token step after
+   each of those tokens would have left;
+3. a chain (a prompt chunk, a linear draft) also leaves the state after its last row at once,
+   so a prompt needs no `keep`, and a chain kept whole needs no rebuild.
 
-The full-attention layers run transformers' own attention module on this sequence's KV cache
-(`_LayerCache`) with the tree's mask. Segments run one after another: the per-node recurrence
-is a loop over a tree's rows, and batching sequences would not shorten it.
+Every row, prompt rows included, runs that one-token rule (never a chunked form, whose sums
+would depend on where a chunk starts), and every other step of a row reads the row alone
+(dresd's linears are row-invariant): so a token's state and logits depend only on the tokens
+before it, under every method, chunk size and batch, and every method's output is `ar`'s.
+
+The full-attention layers run transformers' attention module on this sequence's KV buffer
+(`_LayerCache`) with the tree's mask. Segments run one after another.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +41,14 @@ from transformers import PreTrainedModel
 
 from dresd.decoding.forward import Segment, SegmentOutput, _split_outputs, additive_mask
 from dresd.decoding.kv_cache import SequenceKV
+from dresd.kernels.recurrent import delta_rule
 
+# set by gguf_qwen35.py on a layer whose value heads are in a GGUF file's tiled order
+TILED_VALUE_HEADS = "dresd_tiled_value_heads"
 # transformers' model types whose decoder layers are Qwen3.5's (dense and mixture of experts)
 ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text")
 # layer types that keep a recurrent state instead of (or beside) a KV cache: a model with any
-# of them but not run here has no exact draft verification in dresd (`refuse_recurrent`)
+# of them that is not run here has no exact draft verification in dresd (`make_forward`)
 RECURRENT_LAYERS = ("linear_attention", "mamba", "mamba2", "conv", "recurrent")
 
 
@@ -63,18 +68,39 @@ class LinearState:
 
 
 @dataclass
+class RowInputs:
+    """What one layer's rule read for each row of a segment: enough to rebuild a kept path's
+    state (`keep`) without the projections."""
+
+    conv: torch.Tensor  # [rows, channels]: the convolution's inputs
+    q: torch.Tensor  # [rows, key heads, dk], float32 (as the rule reads them)
+    k: torch.Tensor
+    v: torch.Tensor  # [rows, value heads, dv]
+    beta: torch.Tensor  # [rows, value heads]
+    g: torch.Tensor
+
+
+@dataclass
+class LastSegment:
+    """A segment whose rows `keep` may cut: where it started, each layer's state before it and
+    what each row read."""
+
+    start: int
+    rows: int
+    chain: bool  # its rows a chain (then the state after its last row is already kept)
+    before: list[LinearState]
+    inputs: list[RowInputs]
+
+
+@dataclass
 class RecurrentSequence:
-    """A sequence on `GatedDeltaNetForward`: the full-attention layers' KV cache, each linear
-    layer's state, and the states of the last segment's rows until `keep` picks one."""
+    """A sequence on `GatedDeltaNetForward`: the full-attention layers' KV cache and each
+    linear layer's state after its kept tokens."""
 
     kv: SequenceKV
-    linear: list[LinearState]  # after the sequence's tokens (the last segment's: all kept)
+    linear: list[LinearState]
     length: int = 0
-    # the last segment: where it started, each linear layer's state before it, and (a tree or
-    # draft chain) each layer's state after each of its rows, until `keep` picks a path
-    segment_start: int = 0
-    before: list[LinearState] = field(default_factory=list)
-    by_row: list[list[LinearState]] | None = None
+    last: LastSegment | None = None
 
     def reserve(self, rows: int) -> None:
         self.kv.reserve(rows)
@@ -108,15 +134,10 @@ class GatedDeltaNetForward:
                                            ("embed_tokens", "layers", "norm", "rotary_emb"))
 
     def __init__(self, model: PreTrainedModel) -> None:
-        # transformers' own functions of the rule (their torch forms), imported here: only a
-        # Qwen3.5 model pays for the module
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
-
-        self.rule_by_token = qwen.torch_recurrent_gated_delta_rule
-        self.rule_by_chunk = qwen.torch_chunk_gated_delta_rule
         self.model, self.decoder, config = model, model.model, model.config
-        parameter = next(model.parameters())
-        self.dtype, self.device = parameter.dtype, parameter.device
+        # the activations' dtype: the final norm's (a GGUF file's layers keep their decay
+        # parameters in float32, so the model's first parameter need not say it)
+        self.dtype, self.device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
         self.full_layers = [i for i, kind in enumerate(config.layer_types)
                             if kind == "full_attention"]
         self.kv_index = {layer: i for i, layer in enumerate(self.full_layers)}
@@ -142,19 +163,32 @@ class GatedDeltaNetForward:
 
     def keep(self, sequence: RecurrentSequence, prefix_len: int, kept_rows: list[int]) -> None:
         """Keep the first `prefix_len` tokens and the last segment's rows `kept_rows` (a path
-        from its first row): those KV rows, and each linear layer's state after the last."""
-        rows = sequence.length - sequence.segment_start
-        if prefix_len != sequence.segment_start or any(not 0 <= r < rows for r in kept_rows):
-            raise ValueError("a recurrent state keeps a path of its last segment only")
-        if not kept_rows:
-            sequence.linear = sequence.before
-        elif sequence.by_row is not None:
-            sequence.linear = [states[kept_rows[-1]] for states in sequence.by_row]
-        elif kept_rows != list(range(rows)):
-            raise ValueError("a prompt chunk's state is kept whole or not at all")
+        from its first row): those KV rows, and each linear layer's state after them."""
+        last = sequence.last
+        if last is None or prefix_len != last.start or any(
+                not 0 <= row < last.rows for row in kept_rows):
+            raise ValueError("a recurrent state keeps a path of the last verified segment only")
+        if not (last.chain and kept_rows == list(range(last.rows))):  # else: kept already
+            sequence.linear = [self._state_along(mixer_index, last, kept_rows)
+                               for mixer_index in range(len(self.linear_layers))]
         sequence.kv.keep(prefix_len, kept_rows)
         sequence.length = sequence.kv.length = prefix_len + len(kept_rows)
-        sequence.by_row = None
+        sequence.last = None
+
+    def _state_along(self, index: int, last: LastSegment, path: list[int]) -> LinearState:
+        """Layer `index`'s state after the rows `path` (a chain from the segment's start)."""
+        before = last.before[index]
+        if not path:
+            return before
+        mixer = self.decoder.layers[self.linear_layers[index]].linear_attn
+        inputs = last.inputs[index]
+        rows = torch.tensor(path, device=self.device)
+        _, recurrent = delta_rule(
+            list(range(-1, len(path) - 1)), inputs.q[rows], inputs.k[rows], inputs.v[rows],
+            inputs.beta[rows], inputs.g[rows], before.recurrent,
+            getattr(mixer, TILED_VALUE_HEADS, False), last=True)
+        conv = torch.cat([before.conv, inputs.conv[rows].T], dim=1)
+        return LinearState(conv[:, conv.shape[1] - before.conv.shape[1]:].clone(), recurrent)
 
     @torch.inference_mode()
     def __call__(self, segments: list[Segment]) -> list[SegmentOutput]:
@@ -165,8 +199,7 @@ class GatedDeltaNetForward:
         return _split_outputs(self.model, segments, bounds, torch.cat(hidden_rows))
 
     def _segment(self, segment: Segment) -> torch.Tensor:
-        """One segment's last-layer hidden rows [t, d] (after the final norm); its sequence
-        then holds the states after its rows (`by_row`, until `keep`)."""
+        """One segment's last-layer hidden rows [t, d] (after the final norm)."""
         sequence: RecurrentSequence = segment.sequence
         if sequence.length != segment.start:
             raise ValueError(f"the segment starts at {segment.start}, the sequence holds "
@@ -181,7 +214,9 @@ class GatedDeltaNetForward:
         rope = self.decoder.rotary_emb(hidden, positions[None].expand(3, 1, -1))
         mask = self._mask(segment)
         parents = self._parents(segment)
-        by_row: list[list[LinearState]] = []
+        chain = parents == list(range(-1, rows - 1))
+        kept: list[LinearState] = []
+        inputs: list[RowInputs] = []
         for index, layer in enumerate(self.decoder.layers):
             normed = layer.input_layernorm(hidden)
             if index in self.kv_index:
@@ -190,21 +225,26 @@ class GatedDeltaNetForward:
                                            attention_mask=mask, cache=cache)
             else:
                 state = sequence.linear[self.linear_index[index]]
-                mixed, states = self._linear(layer.linear_attn, normed[0], state, parents)
-                by_row.append(states)
+                mixed, read, after = self._linear(layer.linear_attn, normed[0], state, parents,
+                                                  chain)
+                inputs.append(read)
+                kept.append(after)
                 mixed = mixed[None]
             hidden = hidden + mixed
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        # until `keep`, the sequence is as if every row were kept (a prompt chunk is)
-        sequence.segment_start, sequence.before = segment.start, sequence.linear
-        sequence.by_row = by_row if parents is not None else None
-        sequence.linear = [states[-1] for states in by_row]
+        # a segment whose rows are verified (logits of every row) may be cut by `keep`: its
+        # rows' inputs stay until then; a chain's end state is kept at once (a prompt chunk's
+        # is final), a tree's only once `keep` picks its path
+        sequence.last = (LastSegment(segment.start, rows, chain, sequence.linear, inputs)
+                         if segment.logits_rows == "all" else None)
+        if chain:
+            sequence.linear = kept
         sequence.length = sequence.kv.length = segment.start + rows
         return self.decoder.norm(hidden)[0]
 
     def _mask(self, segment: Segment) -> torch.Tensor:
         """The additive [1, 1, t, start + t] mask: every cached token, and the rows on the
-        row's own path (a prompt chunk: the rows before it)."""
+        row's own path (a chain: the rows before it)."""
         within = segment.ancestors
         if within is None:
             within = torch.ones(len(segment), len(segment), dtype=torch.bool,
@@ -212,12 +252,9 @@ class GatedDeltaNetForward:
         return additive_mask(segment.start, within, self.dtype)
 
     @staticmethod
-    def _parents(segment: Segment) -> list[int] | None:
-        """Each row's parent row (-1: the sequence's kept state), or None for a prompt chunk
-        (kept whole: the chunked rule). A tree lists a node after its parent, so a row's
-        parent is its ancestor of highest index."""
-        if segment.logits_rows != "all":
-            return None
+    def _parents(segment: Segment) -> list[int]:
+        """Each row's parent row (-1: the sequence's kept state). A tree lists a node after its
+        parent, so a row's parent is its ancestor of highest index."""
         if segment.ancestors is None:
             return list(range(-1, len(segment) - 1))
         parents = []
@@ -226,54 +263,43 @@ class GatedDeltaNetForward:
             parents.append(before[-1] if before else -1)
         return parents
 
-    def _linear(self, mixer, x: torch.Tensor, state: LinearState, parents: list[int] | None
-                ) -> tuple[torch.Tensor, list[LinearState]]:
-        """A Gated DeltaNet layer over one segment's rows x [t, d]: its output [t, d] and the
-        state after each row (`parents` None: the rows as one chain, the state after the last
-        only, by transformers' chunked rule)."""
+    def _linear(self, mixer, x: torch.Tensor, state: LinearState, parents: list[int],
+                chain: bool) -> tuple[torch.Tensor, RowInputs, LinearState | None]:
+        """A Gated DeltaNet layer over one segment's rows x [t, d]: its output [t, d], what the
+        rule read for each row, and (a chain) the state after the last row."""
         rows = x.shape[0]
-        inputs = mixer.in_proj_qkv(x)  # [t, channels]: the convolution's inputs
+        conv_in = mixer.in_proj_qkv(x)  # [t, channels]
         gate = mixer.in_proj_z(x).reshape(rows, -1, mixer.head_v_dim)
-        beta = mixer.in_proj_b(x).sigmoid()[None]  # [1, t, value heads]
-        decay = (-mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float()
-                                                         + mixer.dt_bias))[None]
-        weight = mixer.conv1d.weight  # [channels, 1, kernel]
-        if parents is None:  # one chain: the window slides over the kept inputs, then these
-            window = torch.cat([state.conv, inputs.T.to(state.conv.dtype)], dim=1)[None]
-            mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=mixer.conv_dim))
-            query, key, value = self._heads(mixer, mixed[0].T.to(x.dtype))
-            out, recurrent = self.rule_by_chunk(
-                query, key, value, g=decay, beta=beta, initial_state=state.recurrent,
-                output_final_state=True, use_qk_l2norm_in_kernel=True)
-            conv_tail = window[0, :, window.shape[2] - state.conv.shape[1]:]
-            states = [LinearState(conv_tail.clone(), recurrent)]
-        else:  # each row from its parent's state, as a one-token step computes it
-            outs, states = [], []
-            for row, parent in enumerate(parents):
-                before = state if parent < 0 else states[parent]
-                window = torch.cat([before.conv, inputs[row, :, None].to(before.conv.dtype)],
-                                   dim=1)[None]  # [1, channels, kernel]
-                mixed = F.silu(F.conv1d(window.to(weight.dtype), weight,
-                                        groups=mixer.conv_dim))  # [1, channels, 1]
-                query, key, value = self._heads(mixer, mixed[0].T.to(x.dtype))
-                out, recurrent = self.rule_by_token(
-                    query, key, value, g=decay[:, row:row + 1], beta=beta[:, row:row + 1],
-                    initial_state=before.recurrent, output_final_state=True,
-                    use_qk_l2norm_in_kernel=True)
-                outs.append(out)
-                states.append(LinearState(window[0, :, 1:], recurrent))
-            out = torch.cat(outs, dim=1)
-        # [1, t, value heads, value dim] -> gated norm per head -> [t, d]
-        out = mixer.norm(out[0].reshape(-1, mixer.head_v_dim),
+        beta = mixer.in_proj_b(x).float().sigmoid()  # [t, value heads]
+        g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float()
+                                                    + mixer.dt_bias.float())
+        # Each row's convolution window: the K-1 inputs before it on its own path (the kept
+        # ones where the path is shorter), then its own. Summed tap by tap in one order, an
+        # element-wise op per tap: a row's bits do not depend on the other rows.
+        width = state.conv.shape[1]
+        inputs = torch.cat([state.conv.T.to(conv_in.dtype), conv_in])  # kept first
+        window = torch.empty(rows, width + 1, dtype=torch.long)
+        for row, parent in enumerate(parents):
+            window[row, width] = width + row
+            window[row, :width] = (window[parent, 1:] if parent >= 0
+                                   else torch.arange(width))
+        taps = inputs[window.to(self.device)].float()  # [t, kernel, channels]
+        weight = mixer.conv1d.weight.float()[:, 0, :]  # [channels, kernel]
+        mixed = taps[:, 0] * weight[:, 0]
+        for tap in range(1, width + 1):
+            mixed = mixed + taps[:, tap] * weight[:, tap]
+        mixed = F.silu(mixed).to(x.dtype)  # as transformers rounds it: to the model's dtype
+        q, k, v = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        read = RowInputs(conv_in, q.reshape(rows, -1, mixer.head_k_dim).float(),
+                         k.reshape(rows, -1, mixer.head_k_dim).float(),
+                         v.reshape(rows, -1, mixer.head_v_dim).float(), beta, g)
+        out, recurrent = delta_rule(parents, read.q, read.k, read.v, beta, g, state.recurrent,
+                                    getattr(mixer, TILED_VALUE_HEADS, False), last=chain)
+        after = None
+        if chain:
+            conv = inputs[inputs.shape[0] - width:].T.contiguous()
+            after = LinearState(conv, recurrent)
+        # [t, value heads, value dim] -> gated norm per head -> [t, d]
+        out = mixer.norm(out.to(x.dtype).reshape(-1, mixer.head_v_dim),
                          gate.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(out.reshape(rows, -1)), states
-
-    @staticmethod
-    def _heads(mixer, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The convolution's outputs [t, channels] as query, key [1, t, key heads, key dim]
-        and value [1, t, value heads, value dim]."""
-        query, key, value = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        rows = mixed.shape[0]
-        return (query.reshape(1, rows, -1, mixer.head_k_dim),
-                key.reshape(1, rows, -1, mixer.head_k_dim),
-                value.reshape(1, rows, -1, mixer.head_v_dim))
+        return mixer.out_proj(out.reshape(rows, -1)), read, after
