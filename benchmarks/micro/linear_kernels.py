@@ -37,7 +37,8 @@ from time import perf_counter
 
 import torch
 
-from dresd.decoding.forward import LlamaForward, Segment, _rotate_half, _split_outputs
+from dresd.decoding.forward import LlamaForward, Segment, _rotate_half
+from dresd.decoding.segments import split_outputs
 from dresd.fastpath import (
     INVARIANT_MAX_ROWS,
     PackedLinear,
@@ -237,7 +238,7 @@ class FusedForward(LlamaForward):
         hidden = self.decoder.norm(hidden)
         for segment in segments:
             segment.sequence.length = segment.start + len(segment)
-        return _split_outputs(self.model, segments, bounds, hidden)
+        return split_outputs(self.model, segments, bounds, hidden)
 
 
 VARIANTS = {"onednn": "oneDNN", "ours": "C kernel", "ours_fused": "C kernel, fused",

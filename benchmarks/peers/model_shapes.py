@@ -7,6 +7,11 @@
   tied embedding.
 - `gemma3-1b`: Gemma-3-1B's (26 layers, window 512, every 6th layer global, head size 256,
   four norms a layer); tied embedding.
+- `qwen3.5-4b`: Qwen3.5-4B's published shape (32 layers, every 4th full attention with 16
+  query and 4 key-value heads of 256, the others Gated DeltaNet; hidden size 2560, 248,320
+  tokens) with the sizes its public descriptions leave out taken from transformers'
+  `Qwen3_5TextConfig` defaults (assumed, not read from the checkpoint): MLP 9216, Gated
+  DeltaNet 16 key and 32 value heads of 128, convolution of 4; tied embedding.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 used, the router in F32)
   for `--layers` of its 48 layers (each layer is ~1.2 GB in F16, ~0.3 GB in Q4_K_M).
 
@@ -55,6 +60,9 @@ class Config:
     experts_used: int = 0
     expert_ffn: int = 0
     llama3_rope: dict | None = None  # Llama 3's rope scaling, written as rope_freqs.weight
+    linear_heads: tuple[int, int, int, int] = (0, 0, 0, 0)  # qwen35: Gated DeltaNet key and
+    # value heads and their sizes (every `full_every`-th layer full attention, the rest these)
+    full_every: int = 4
 
 
 CONFIGS = {
@@ -64,6 +72,8 @@ CONFIGS = {
                                         "original_max_position_embeddings": 8192}),
     "qwen3-4b": Config("qwen3", 2560, 9728, 32, 8, 128, 36, 151936, 1_000_000.0),
     "gemma3-1b": Config("gemma3", 1152, 6912, 4, 1, 256, 26, 262144, 1_000_000.0, window=512),
+    "qwen3.5-4b": Config("qwen35", 2560, 9216, 16, 4, 256, 32, 248320, 10_000_000.0,
+                         linear_heads=(16, 32, 128, 128)),
     "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
                             tied=False, experts=128, experts_used=8, expert_ffn=768),
 }
@@ -114,6 +124,19 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
         writer.add_rope_dimension_count(c.head_dim)
     if c.window:
         writer.add_sliding_window(c.window)
+    linear_layers = []
+    if c.arch == "qwen35":  # the Gated DeltaNet's sizes and the layer pattern
+        key_heads, value_heads, key_size, value_size = c.linear_heads
+        writer.add_ssm_conv_kernel(4)
+        writer.add_ssm_state_size(key_size)
+        writer.add_ssm_group_count(key_heads)
+        writer.add_ssm_time_step_rank(value_heads)
+        writer.add_ssm_inner_size(value_heads * value_size)
+        linear_layers = [(i + 1) % c.full_every != 0 for i in range(c.layers)]
+        writer.add_array("qwen35.attention.recurrent_layers", linear_layers)
+        writer.add_full_attention_interval(c.full_every)
+        writer.add_rope_dimension_count(c.head_dim // 4)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
     if c.experts:
         writer.add_expert_count(c.experts)
         writer.add_expert_used_count(c.experts_used)
@@ -127,6 +150,11 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     for i in range(c.layers):
         blk = f"blk.{i}."
         norm(blk + "attn_norm.weight", c.hidden)
+        if c.arch == "qwen35":
+            norm(blk + "post_attention_norm.weight", c.hidden)
+            add_qwen35_mixer(writer, c, blk, linear_layers[i], weights, norm, rng)
+            add_mlp(writer, c, blk, weights)
+            continue
         norm(blk + "ffn_norm.weight", c.hidden)
         if c.arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(blk + "attn_q_norm.weight", c.head_dim)
@@ -148,9 +176,7 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
             writer.add_tensor(blk + "ffn_down_exps.weight",
                               weights(c.experts, c.hidden, c.expert_ffn))
         else:
-            writer.add_tensor(blk + "ffn_gate.weight", weights(c.intermediate, c.hidden))
-            writer.add_tensor(blk + "ffn_up.weight", weights(c.intermediate, c.hidden))
-            writer.add_tensor(blk + "ffn_down.weight", weights(c.hidden, c.intermediate))
+            add_mlp(writer, c, blk, weights)
     norm("output_norm.weight", c.hidden)
     if not c.tied:
         writer.add_tensor("output.weight", weights(c.vocab, c.hidden))
@@ -159,6 +185,41 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file(progress=True)
     writer.close()
     return path
+
+
+def add_mlp(writer: gguf.GGUFWriter, c: Config, blk: str, weights) -> None:
+    writer.add_tensor(blk + "ffn_gate.weight", weights(c.intermediate, c.hidden))
+    writer.add_tensor(blk + "ffn_up.weight", weights(c.intermediate, c.hidden))
+    writer.add_tensor(blk + "ffn_down.weight", weights(c.hidden, c.intermediate))
+
+
+def add_qwen35_mixer(writer: gguf.GGUFWriter, c: Config, blk: str, linear: bool, weights, norm,
+                     rng: np.random.Generator) -> None:
+    """A qwen35 layer's token mixer under llama.cpp's names: a Gated DeltaNet (its projections,
+    the convolution, ssm_a = -exp(A_log) < 0, the step bias, the output norm) or gated full
+    attention (each head's query and output gate side by side in attn_q)."""
+    if not linear:
+        q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        norm(blk + "attn_q_norm.weight", c.head_dim)
+        norm(blk + "attn_k_norm.weight", c.head_dim)
+        writer.add_tensor(blk + "attn_q.weight", weights(2 * q_size, c.hidden))
+        writer.add_tensor(blk + "attn_k.weight", weights(kv_size, c.hidden))
+        writer.add_tensor(blk + "attn_v.weight", weights(kv_size, c.hidden))
+        writer.add_tensor(blk + "attn_output.weight", weights(c.hidden, q_size))
+        return
+    key_heads, value_heads, key_size, value_size = c.linear_heads
+    channels, value_dim = 2 * key_heads * key_size + value_heads * value_size, \
+        value_heads * value_size
+    writer.add_tensor(blk + "attn_qkv.weight", weights(channels, c.hidden))
+    writer.add_tensor(blk + "attn_gate.weight", weights(value_dim, c.hidden))
+    writer.add_tensor(blk + "ssm_beta.weight", weights(value_heads, c.hidden))
+    writer.add_tensor(blk + "ssm_alpha.weight", weights(value_heads, c.hidden))
+    writer.add_tensor(blk + "ssm_out.weight", weights(c.hidden, value_dim))
+    writer.add_tensor(blk + "ssm_a", -np.exp(rng.uniform(-2, 2, value_heads)).astype(np.float32))
+    writer.add_tensor(blk + "ssm_dt.bias", rng.standard_normal(value_heads).astype(np.float32))
+    writer.add_tensor(blk + "ssm_conv1d.weight",
+                      (0.3 * rng.standard_normal((channels, 4))).astype(np.float32))
+    norm(blk + "ssm_norm.weight", value_size)
 
 
 def main() -> None:

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dresd.decoding.forward import Segment, SegmentOutput, _split_outputs, additive_mask
 from dresd.decoding.kv_cache import SequenceKV
+from dresd.decoding.segments import Segment, SegmentOutput, additive_mask, split_outputs
 from dresd.kernels.recurrent import delta_rule
 
-# set by gguf_qwen35.py on a layer whose value heads are in a GGUF file's tiled order
+# set by gguf_model.fill_qwen35 on a layer whose value heads are in a GGUF file's tiled order
 TILED_VALUE_HEADS = "dresd_tiled_value_heads"
 # transformers' model types whose decoder layers are Qwen3.5's (dense and mixture of experts)
 ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -196,7 +196,7 @@ class GatedDeltaNetForward:
         for segment in segments:
             hidden_rows.append(self._segment(segment))
             bounds.append(bounds[-1] + len(segment))
-        return _split_outputs(self.model, segments, bounds, torch.cat(hidden_rows))
+        return split_outputs(self.model, segments, bounds, torch.cat(hidden_rows))
 
     def _segment(self, segment: Segment) -> torch.Tensor:
         """One segment's last-layer hidden rows [t, d] (after the final norm)."""
