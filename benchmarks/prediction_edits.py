@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dresd.datasets import data_dir
-from dresd.drafters.prediction import WithPrediction, prediction_tokens
+from dresd.drafters.prediction import prediction_tokens, with_prediction
 from dresd.host import cpu_model
 from dresd.models import load_target
 from dresd.prompts import encode_prompt
@@ -76,7 +76,7 @@ def main() -> None:
                 runner = runners[label.split("+")[0]]
                 drafter = runner.drafter
                 if label.endswith("+prediction"):
-                    drafter = WithPrediction(drafter, predicted, len(prompt))
+                    drafter = with_prediction(drafter, predicted, len(prompt))
                 started = time.perf_counter()
                 state = runner.engine.add(runner.request(prompt, drafter))
                 runner.engine.run()

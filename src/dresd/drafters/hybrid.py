@@ -532,6 +532,15 @@ class HybridDrafter(HybridOptions, Drafter):
         forked.last, forked.steps = None, 0
         return forked
 
+    def with_source(self, name: str, source: Drafter) -> HybridDrafter:
+        """A fork (`fork`: the acceptance table and what is learned shared) with one more
+        source, a request's own (its prediction), whose nodes the table weighs by their own
+        cells, as any source's. Its steps run source by source (`_step_in_c` is planned for
+        the built-in sources only)."""
+        forked = self.fork()
+        forked.sources = {**forked.sources, name: source}
+        return forked
+
     def check_target(self, target: Target) -> None:
         """Refuse stores of another model; take this machine's verify-cost curve."""
         for source in self.sources.values():

@@ -8,9 +8,14 @@ Each step the prediction proposes what follows the output so far in it:
    they last occur in the prediction (prompt lookup over the prediction), so an edit in the
    middle of a file picks the prediction up again after it.
 
-`WithPrediction` puts that draft first and the method's own drafts after it; the loop merges
-them into one tree and the budget prices them like any draft. Verification keeps only what
-the model itself would emit, so a wrong prediction costs rows, never a changed token.
+`with_prediction` gives a request's drafter that source:
+- `hybrid`: one more of its sources (`PredictionSource`), its nodes weighed by hybrid's
+  acceptance table like every other source's and cut by its budget, so a prediction that
+  keeps missing stops costing rows;
+- any other method: `WithPrediction` puts the prediction's draft first and the method's own
+  drafts after it; the loop merges them into one tree and the budget prices it.
+Verification keeps only what the model itself would emit, so a wrong prediction costs rows,
+never a changed token.
 
 `prediction_tokens` counts what OpenAI reports: of the prediction's tokens, how many appear in
 the completion, in order (`accepted_prediction_tokens`), and how many do not (`rejected_...`).
@@ -24,24 +29,34 @@ from difflib import SequenceMatcher
 import numpy as np
 
 from dresd.decoding.drafter import Draft, DraftContext, Drafter
+from dresd.drafters.hybrid import HybridDrafter
 
 
-class WithPrediction(Drafter):
-    """A request's drafter with its prediction as one more source, drafted first."""
+def with_prediction(drafter: Drafter, prediction: Sequence[int], prompt_len: int) -> Drafter:
+    """`drafter` (a request's own fork) with the request's prediction as one more source."""
+    source = PredictionSource(prediction, prompt_len)
+    if isinstance(drafter, HybridDrafter):
+        return drafter.with_source("prediction", source)
+    return WithPrediction(drafter, source)
 
-    def __init__(self, base: Drafter, prediction: Sequence[int], prompt_len: int,
-                 draft_len: int = 16, min_match: int = 2, max_match: int = 8) -> None:
-        self.base = base
+
+class PredictionSource(Drafter):
+    """The prediction's continuation of the output so far (steps 1 and 2 above), one draft."""
+
+    name = "prediction"
+
+    def __init__(self, prediction: Sequence[int], prompt_len: int, draft_len: int = 16,
+                 min_match: int = 2, max_match: int = 8) -> None:
         self.prediction = np.asarray(prediction, dtype=np.int64)
         self.prompt_len = prompt_len  # the output starts after it in the context
         self.draft_len, self.min_match, self.max_match = draft_len, min_match, max_match
-        self.name = f"{base.name}+prediction"  # its acceptance is learned apart from the base's
-        self.sizes_its_trees = base.sizes_its_trees
 
     def propose(self, context: DraftContext) -> list[Draft]:
-        own = self.base.propose(context)
         draft = self.predicted(context.token_ids[self.prompt_len:])[: context.max_draft_len]
-        return [draft, *own] if draft else own
+        return [draft] if draft else []
+
+    def fork(self) -> PredictionSource:
+        return self  # nothing of one generation's own
 
     def predicted(self, output: np.ndarray) -> Draft:
         """What the prediction says follows `output` (the tokens emitted so far)."""
@@ -57,6 +72,18 @@ class WithPrediction(Drafter):
                 start = int(found[-1]) + length
                 return self.prediction[start:start + self.draft_len].tolist()
         return []
+
+
+class WithPrediction(Drafter):
+    """A request's drafter with its prediction as one more source, drafted first."""
+
+    def __init__(self, base: Drafter, source: PredictionSource) -> None:
+        self.base, self.source = base, source
+        self.name = f"{base.name}+prediction"  # its acceptance is learned apart from the base's
+        self.sizes_its_trees = base.sizes_its_trees
+
+    def propose(self, context: DraftContext) -> list[Draft]:
+        return [*self.source.propose(context), *self.base.propose(context)]
 
     def check_target(self, target) -> None:
         self.base.check_target(target)

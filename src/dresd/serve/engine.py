@@ -46,7 +46,7 @@ from dresd.decoding.prefix_cache import PrefixCache
 from dresd.decoding.processing import Penalties
 from dresd.decoding.sampling import sampling_or_greedy
 from dresd.drafters import Drafter, NoDrafter, make_drafter
-from dresd.drafters.prediction import WithPrediction
+from dresd.drafters.prediction import with_prediction
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
 from dresd.models import Target
@@ -341,7 +341,7 @@ class Engine:
         their own per-generation state."""
         drafter = job.plan.drafter.fork() if job.plan.drafter else NoDrafter()
         if job.prediction:  # a draft source for every method, `ar` included
-            drafter = WithPrediction(drafter, job.prediction, len(job.prompt_ids))
+            drafter = with_prediction(drafter, job.prediction, len(job.prompt_ids))
         sibling = job.sibling_of.state if job.sibling_of is not None else None
         return make_request(self.target, job.prompt_ids, drafter, job.plan.settings,
                             on_tokens=job.on_tokens, budget=self.budget,
