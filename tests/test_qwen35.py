@@ -118,11 +118,12 @@ def test_batched_with_small_prefill_chunks_equals_generate(qwen35):
     assert [result.token_ids for result in results] == references
 
 
-def test_in_bf16_every_method_and_batch_is_ar_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_in_bf16_every_method_and_batch_is_ar_bit_for_bit(tmp_path, moe):
     """Through dresd's loader (bf16, its row-invariant linears and attention where this CPU
     has them): `ar` alone is the reference, and every method, alone or batched, gives it."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    tiny_qwen35(vocab=len(tokenizer)).save_pretrained(tmp_path)
+    tiny_qwen35(moe=moe, vocab=len(tokenizer)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     target = load_target(str(tmp_path), dtype="bfloat16")
     vocab = len(tokenizer)
