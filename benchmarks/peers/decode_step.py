@@ -36,19 +36,19 @@ REPETITIONS = 5
 
 
 def measure(threads: int, round_number: int, model: str = "default",
-            runner: str = "dresd") -> dict:
+            runner: str = "dresd", tokens: int = TOKENS, repetitions: int = REPETITIONS) -> dict:
     torch.set_num_threads(threads)
     target = load_target(model)
     engine = BatchEngine(target.model, max_batch_size=1)
     speeds = []
-    for repetition in range(REPETITIONS + 1):
-        state = engine.add(Request(prompt=[1], drafter=NoDrafter(), max_new_tokens=TOKENS))
+    for repetition in range(repetitions + 1):
+        state = engine.add(Request(prompt=[1], drafter=NoDrafter(), max_new_tokens=tokens))
         started = time.perf_counter()
         engine.run()
         seconds = time.perf_counter() - started
-        assert len(state.result.token_ids) == TOKENS
+        assert len(state.result.token_ids) == tokens
         if repetition:  # the first is a warm-up
-            speeds.append(TOKENS / seconds)
+            speeds.append(tokens / seconds)
     return {"runner": runner, "round": round_number, "n_threads": threads,
             "avg_ts": statistics.mean(speeds), "stddev_ts": statistics.stdev(speeds),
             "type_k": str(target.dtype), "linears": target.linears, "cpu_info": cpu_model(),
@@ -108,11 +108,13 @@ def summarize_files(path: Path) -> str:
         engine, _, name = row["runner"].partition(" ")
         by_round[(name, engine, int(row["n_threads"]))][row["round"]] = row["avg_ts"]
     llama = next((r for r in rows if r["runner"].startswith("llama.cpp")), {})
+    tokens, reps = llama.get("n_gen", TOKENS), len(llama.get("samples_ts", [])) or REPETITIONS
     lines = [
-        "# dresd beside llama.cpp on the same GGUF files: plain decoding, tg128", "",
+        f"# dresd beside llama.cpp on the same GGUF files: plain decoding, tg{tokens}", "",
         f"CPU: {cpu_model()}; llama.cpp {llama.get('build_commit', '?')} (llama-cpp-python "
-        "0.3.36's vendored sources, `llama-bench -p 0 -n 128 -r 5`); dresd `ar` on the same "
-        "file, 128 tokens after a one-token prompt, 5 repetitions after a warm-up. Rounds "
+        f"0.3.36's vendored sources, `llama-bench -p 0 -n {tokens} -r {reps}`); dresd `ar` on "
+        f"the same file, {tokens} tokens after a one-token prompt, {reps} repetitions after a "
+        "warm-up. Rounds "
         f"interleaved: {len({r['round'] for r in rows})}. Made by "
         "`bash benchmarks/peers/gguf_speed.sh`.", "",
         "| file | threads | llama.cpp tokens/s | dresd ar tokens/s | dresd / llama.cpp "
@@ -138,6 +140,8 @@ def main() -> None:
     parser.add_argument("--round", type=int, default=1)
     parser.add_argument("--model", default="default", help="default, a folder or FILE.gguf")
     parser.add_argument("--runner", default="dresd", help="the runner's name in the line")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="tokens a repetition decodes")
+    parser.add_argument("--repetitions", type=int, default=REPETITIONS)
     parser.add_argument("--summarize", type=Path, default=None, metavar="JSONL")
     parser.add_argument("--summarize-files", type=Path, default=None, metavar="JSONL")
     args = parser.parse_args()
@@ -147,7 +151,8 @@ def main() -> None:
     if args.summarize_files is not None:
         print(summarize_files(args.summarize_files), end="")
         return
-    print(json.dumps(measure(args.threads, args.round, args.model, args.runner)), flush=True)
+    print(json.dumps(measure(args.threads, args.round, args.model, args.runner, args.tokens,
+                             args.repetitions)), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ OUT=benchmarks/results/peers
 ROUNDS=${ROUNDS:-2}
 THREADS=${THREADS:-1 2}  # thread counts, each file at each
 OUTPUT=${OUTPUT:-gguf_speed}  # the results' file names under benchmarks/results/peers
+TOKENS=${TOKENS:-128}  # tg128 by default; fewer (and fewer REPETITIONS) for large files
+REPETITIONS=${REPETITIONS:-5}
 mkdir -p "$OUT"
 build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 fetch_q4_1
@@ -27,11 +29,12 @@ for round in $(seq "$ROUNDS"); do
   for file in "${files[@]}"; do
     name=$(basename "$file" .gguf)
     for threads in $THREADS; do
-      "$BUILD/bin/llama-bench" -m "$file" -p 0 -n 128 -r 5 -t "$threads" -o jsonl \
+      "$BUILD/bin/llama-bench" -m "$file" -p 0 -n "$TOKENS" -r "$REPETITIONS" -t "$threads" -o jsonl \
         | sed "s/^{/{\"runner\": \"llama.cpp $name\", \"round\": $round, /" \
         >> "$OUT/$OUTPUT.jsonl"
       PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --model "$file" \
-        --runner "dresd $name" --threads "$threads" --round "$round" >> "$OUT/$OUTPUT.jsonl"
+        --runner "dresd $name" --threads "$threads" --round "$round" --tokens "$TOKENS" \
+        --repetitions "$REPETITIONS" >> "$OUT/$OUTPUT.jsonl"
     done
   done
 done
