@@ -231,7 +231,7 @@ class GatedDeltaNetForward:
                 kept.append(after)
                 mixed = mixed[None]
             hidden = hidden + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         # a segment whose rows are verified (logits of every row) may be cut by `keep`: its
         # rows' inputs stay until then; a chain's end state is kept at once (a prompt chunk's
         # is final), a tree's only once `keep` picks its path
@@ -241,6 +241,17 @@ class GatedDeltaNetForward:
             sequence.linear = kept
         sequence.length = sequence.kv.length = segment.start + rows
         return self.decoder.norm(hidden)[0]
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over rows x [1, t, d]. A mixture of experts (Qwen3.5-MoE's sparse
+        block) multiplies the rows routed to an expert together with PyTorch's matmul, whose
+        sums may depend on how many rows there are (oneDNN picks kernels by shape; not seen on
+        the Intel Xeon this was written on, not promised elsewhere): its rows go one at a time,
+        so a row's bits are the same in a tree, a prompt or a one-token step on any CPU."""
+        if not hasattr(mlp, "experts") or x.shape[1] == 1:
+            return mlp(x)
+        return torch.cat([mlp(x[:, row:row + 1]) for row in range(x.shape[1])], dim=1)
 
     def _mask(self, segment: Segment) -> torch.Tensor:
         """The additive [1, 1, t, start + t] mask: every cached token, and the rows on the
