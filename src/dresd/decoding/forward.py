@@ -47,6 +47,10 @@ the PyTorch path's); where the C decoder does not build, `make_forward` gives it
 Its windowed layers read each segment's keys from the first one a row's window holds
 (`_window`), with a mask of their own only where rows of the segment see different windows.
 
+Qwen3.5's text models (Gated DeltaNet layers, a recurrent state instead of a KV cache) run on
+`decoding/recurrent.GatedDeltaNetForward`: a state per tree node. Other models with recurrent
+layers are refused: transformers' forward cannot take back a state a rejected draft changed.
+
 `HFForward` is the fallback for every other architecture: transformers' own forward, one
 sequence at a time on a `DynamicCache`. Same results, no cross-sequence batching.
 """
