@@ -446,6 +446,28 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
+def add_converted_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for every text model (`TextModel.
+    set_gguf_parameters`), from a transformers config, in its order."""
+    writer.add_name("tiny converted model")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+
+
+# transformers' names of the tensors outside the layers -> llama.cpp's
+TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+               "model.norm.weight": "output_norm.weight"}
+
+
 def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
                            metadata: dict | None = None) -> Path:
     """`model` (from `transformers_model`) as the bf16 GGUF file llama.cpp's converter writes
@@ -465,18 +487,7 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
                "expert_feed_forward_length": config.moe_intermediate_size, **(metadata or {})}
         for key, value in moe.items():
             writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_name("tiny converted model")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    add_converted_metadata(writer, config)
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.head_dim)
@@ -496,10 +507,8 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
         if ".mlp." in name and arch == "qwen3moe":
             _add_experts(writer, name, weights, expert_type)
             continue
-        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "lm_head.weight": "output.weight",
-                         "model.norm.weight": "output_norm.weight"}[name]
+        if name in TOP_TENSORS:
+            gguf_name = TOP_TENSORS[name]
         else:
             _, _, index, rest = name.split(".", 3)
             part = rest.removesuffix(".weight")
@@ -602,18 +611,7 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_size = config.linear_value_head_dim
     writer = gguf.GGUFWriter(str(path), "qwen35")
-    writer.add_name("tiny converted model")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    add_converted_metadata(writer, config)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_num_key_heads)
@@ -629,10 +627,8 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     rng = np.random.default_rng(0)
     for name, value in model.state_dict().items():
         weights = value.float().numpy()
-        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
-                         "lm_head.weight": "output.weight",
-                         "model.norm.weight": "output_norm.weight"}[name]
+        if name in TOP_TENSORS:
+            gguf_name = TOP_TENSORS[name]
         else:
             _, _, index, rest = name.split(".", 3)
             part = rest.removesuffix(".weight")
