@@ -19,6 +19,7 @@ from dresd.models import default_model_dir
 from dresd.serve.engine import RequestError
 from dresd.serve.tool_calls import (
     TOOL_FORMATS,
+    FunctionGemmaFormat,
     HermesFormat,
     Llama3JsonFormat,
     MistralFormat,
@@ -154,6 +155,32 @@ CASES = [
     (MistralFormat, "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
     (MistralFormat, "[TOOL_CALLS]search[ARGS]not json", "[TOOL_CALLS]search[ARGS]not json", []),
     (MistralFormat, "An [array] of [TOOL", "An [array] of [TOOL", []),
+    # FunctionGemma: strings in <escape> markers, numbers, booleans and lists bare
+    (FunctionGemmaFormat, "<start_function_call>call:get_weather{city:<escape>Paris<escape>,"
+     "days:3,metric:true,hours:[1,2]}<end_function_call>", None,
+     [("get_weather", {"city": "Paris", "days": 3, "metric": True, "hours": [1, 2]})]),
+    # text before, two calls, nested objects and lists, a string holding the syntax's own
+    # characters, a bare word for a string, no arguments
+    (FunctionGemmaFormat, "Sure.\n<start_function_call>call:book{when:{day:<escape>Mon, 3:00 "
+     "{pm}<escape>},rooms:[{beds:2},{beds:1}],notes:null}<end_function_call>"
+     "<start_function_call>call:search{query:cats}<end_function_call>"
+     "<start_function_call>call:now{}<end_function_call>", "Sure.",
+     [("book", {"when": {"day": "Mon, 3:00 {pm}"}, "rooms": [{"beds": 2}, {"beds": 1}],
+                "notes": None}), ("search", {"query": "cats"}), ("now", {})]),
+    # a block the output never closed is still a call
+    (FunctionGemmaFormat, "<start_function_call>call:now{}", None, [("now", {})]),
+    # malformed: no "call:", a string never closed, an empty value, a bracket that does not
+    # match, text after the arguments
+    (FunctionGemmaFormat, "<start_function_call>now{}<end_function_call>",
+     "<start_function_call>now{}<end_function_call>", []),
+    (FunctionGemmaFormat, "<start_function_call>call:search{query:<escape>x}<end_function_call>",
+     "<start_function_call>call:search{query:<escape>x}<end_function_call>", []),
+    (FunctionGemmaFormat, "<start_function_call>call:now{a:}<end_function_call>",
+     "<start_function_call>call:now{a:}<end_function_call>", []),
+    (FunctionGemmaFormat, "<start_function_call>call:now{a:[1}<end_function_call>",
+     "<start_function_call>call:now{a:[1}<end_function_call>", []),
+    (FunctionGemmaFormat, "<start_function_call>call:now{}{}<end_function_call>",
+     "<start_function_call>call:now{}{}<end_function_call>", []),
 ]
 
 
@@ -219,7 +246,8 @@ def test_stream_holds_back_what_could_start_a_marker_and_no_more():
     ["<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "now", "arguments": {}}',
      '{"name": ', '"x"', "}", "{", "[", "]", "\n", " ", "text", "<", "<function=f>",
      "</function>", "<parameter=p>", "</parameter>", "[TOOL_CALLS]", "[ARGS]",
-     "<|python_tag|>", ";"]), max_size=14),
+     "<|python_tag|>", ";", "<start_function_call>", "<end_function_call>", "call:now{",
+     "<escape>", ":", ","]), max_size=14),
     st.sampled_from(sorted(TOOL_FORMATS)), st.integers(0, 2**16))
 def test_any_text_parses_without_raising_and_streams_the_same(pieces, name, seed):
     text = "".join(pieces)
@@ -283,6 +311,8 @@ Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
      "[TOOL_CALLS]", MistralFormat),
     ("{% if tools %}Environment: ipython{% endif %}<|python_tag|>", Llama3JsonFormat),
+    ("{% for t in tools %}<start_function_declaration>{{ t.function.name }}"
+     "<end_function_declaration>{% endfor %}<start_function_call>", FunctionGemmaFormat),
     ("{% for t in tools %}{{ t | tojson }}{% endfor %}", HermesFormat),  # markers unknown
     # a template that takes no tools: the generic prompt asks for Hermes calls
     ("{% for m in messages %}[TOOL_CALLS]{{ m.content }}{% endfor %}", HermesFormat),
@@ -338,6 +368,32 @@ HISTORY = [
     {"role": "tool", "tool_call_id": "call_a", "content": "18 C, sunny"},
     {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "noon"}]},
 ]
+
+
+def test_the_servers_text_keeps_a_formats_special_markers(tokenizer):
+    """A marker that is a special token (Mistral's [TOOL_CALLS] here, added as one to the
+    default tokenizer) stays in the server's text for the call parser, while the other special
+    tokens (the end of turn) are left out as always; text without it decodes as before."""
+    from dresd.serve.protocol import IncrementalText
+
+    mistral = copy.deepcopy(tokenizer)
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = mistral.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert MistralFormat(TOOLS).marker_ids(mistral) == {marker}
+    assert HermesFormat(TOOLS).marker_ids(mistral) == set()  # <tool_call>: not in this vocab
+    call = '[{"name": "get_weather", "arguments": {"city": "Lyon"}}]'
+    ids = mistral("Sure. ", add_special_tokens=False)["input_ids"] + [marker] + \
+        mistral(call, add_special_tokens=False)["input_ids"] + [mistral.eos_token_id]
+
+    def text(keep) -> str:
+        pieces = IncrementalText(mistral, [], keep)
+        return "".join(pieces.add([token]) for token in ids) + pieces.finish()
+
+    kept = text(MistralFormat(TOOLS).marker_ids(mistral))
+    assert kept == "Sure. [TOOL_CALLS]" + call
+    assert calls_of(MistralFormat(TOOLS).parse(kept)) == [("get_weather", {"city": "Lyon"})]
+    assert text(()) == "Sure. " + call  # without: the marker is gone, and with it the call
+    assert MistralFormat(TOOLS).parse(text(()))[1] == []
 
 
 def test_no_tools_renders_as_the_chat_endpoint_does(tokenizer):

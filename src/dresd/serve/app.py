@@ -427,7 +427,8 @@ class Generation:
         self.metrics = metrics
         self.arrived = arrived
         self.index = index  # its place among the request's choices
-        self.pieces = protocol.IncrementalText(tokenizer, stop)
+        self.pieces = protocol.IncrementalText(
+            tokenizer, stop, parsers.marker_ids(tokenizer) if parsers else ())
         self.first_token_at: float | None = None
         self.result: GenerationResult | None = None
         self.tokenizer = tokenizer

@@ -11,6 +11,7 @@ always exactly the whole response's message.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from dresd.serve.reasoning import THINK_START, ReasoningParser, join_reasoning_deltas
 from dresd.serve.tool_calls import ToolCallFormat, ToolCallStream, join_deltas
@@ -31,6 +32,11 @@ class ChatParsers:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallFormat | None) -> None:
         self.reasoning = reasoning
         self.tools: ToolCallStream | None = tools.stream() if tools is not None else None
+
+    def marker_ids(self, tokenizer: Any) -> set[int]:
+        """The special tokens the text must keep for the tool call parser (see
+        `ToolCallFormat.marker_ids`)."""
+        return self.tools.fmt.marker_ids(tokenizer) if self.tools is not None else set()
 
     @property
     def called(self) -> bool:

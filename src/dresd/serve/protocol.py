@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -337,13 +338,20 @@ class IncrementalText:
     string - 1) characters are held back, since they could begin one, and each stop string is
     searched for only in the text that could hold a new match. As in OpenAI's API the stop
     string itself is never sent: the text ends where it begins.
+
+    Special tokens are left out of the text, as `skip_special_tokens` does, but for those in
+    `keep`: a tool call format's markers that are special tokens in the model's tokenizer
+    (Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`), without which the call parser would
+    see the call's JSON as plain content.
     """
 
     CONTEXT_TOKENS = 4  # tokens decoded before the new ones, for the tokenizer's context
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str],
+                 keep: Collection[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.keep = frozenset(keep)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
         self.decoded = ""  # the text of every token up to `self.read`
@@ -359,7 +367,18 @@ class IncrementalText:
         return self.end is not None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self.keep.intersection(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # the runs between kept tokens decoded as always, each kept token as its own text
+        pieces, run = [], []
+        for token in ids:
+            if token in self.keep:
+                pieces += [self.tokenizer.decode(run, skip_special_tokens=True),
+                           self.tokenizer.decode([token], skip_special_tokens=False)]
+                run = []
+            else:
+                run.append(token)
+        return "".join([*pieces, self.tokenizer.decode(run, skip_special_tokens=True)])
 
     def _read(self, final: bool) -> None:
         """Decode the tokens after `self.read` into `decoded`: once they end in a whole

@@ -10,8 +10,9 @@ Pure functions and small classes, no server state, so that each piece is tested 
   `tool_calls`, `role: "tool"` results) are converted to what each path expects
   (`prepare_messages`).
 - **Parsing**: one `ToolCallFormat` per format models write (Hermes/Qwen JSON, Qwen3-Coder XML,
-  Llama 3.x JSON, Mistral `[TOOL_CALLS]`), all with one interface: `parse(text)` for a whole
-  output and `stream()` for an incremental parser of text pieces into OpenAI `delta`s.
+  Llama 3.x JSON, Mistral `[TOOL_CALLS]`, FunctionGemma's `<start_function_call>`), all with
+  one interface: `parse(text)` for a whole output and `stream()` for an incremental parser of
+  text pieces into OpenAI `delta`s.
   `select_tool_format` picks the format from the model's chat template, tokenizer and
   architecture (Hermes by default, and always where the generic prompt was used).
 - **Constraint**: `tool_call_schema` (a JSON schema of one call, or a list of calls) and
@@ -35,10 +36,11 @@ character: a call whose JSON turns out bad must come back as content, never as a
 that is known only at its end. Content outside the calls streams as it comes, less what could
 still be the start of a marker (a trailing "<tool_c" is held back until the next piece tells).
 
-Special tokens: Llama's `<|python_tag|>` and Mistral's `[TOOL_CALLS]` are special tokens in
-their tokenizers; the text given to these parsers must be decoded with them kept
-(`skip_special_tokens=False`), else the calls lose their marker. (Qwen's `<tool_call>` is an
-added token that is not special: it survives either way.)
+Special tokens: Llama's `<|python_tag|>`, Mistral's `[TOOL_CALLS]` and FunctionGemma's markers
+are special tokens in their tokenizers; the text given to these parsers must be decoded with
+them kept, else the calls lose their marker: the server's text keeps a format's markers
+(`ToolCallFormat.marker_ids`, `protocol.IncrementalText`) and leaves the other special tokens
+out. (Qwen's `<tool_call>` is an added token that is not special: it survives either way.)
 
 With reasoning models, feed the tool parser the `content` of `reasoning.ReasoningParser`, so
 that a `<tool_call>` written while thinking is not taken for a call.
@@ -444,6 +446,15 @@ class ToolCallFormat:
         """An incremental parser of this format (see `ToolCallStream`)."""
         return ToolCallStream(self, call_id)
 
+    def marker_ids(self, tokenizer: Any) -> set[int]:
+        """The ids of this format's markers that are special tokens of the tokenizer: the
+        server's text must keep them (`protocol.IncrementalText`), where it leaves other
+        special tokens out."""
+        markers = {*self.starts, *([self.end] if self.end else [])}
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        return {token_id for token_id, token in decoder.items()
+                if token.special and token.content in markers}
+
     def find_start(self, text: str) -> tuple[int, str] | None:
         """The first complete start marker in text: (index, marker)."""
         found = [(i, s) for s in self.starts if (i := text.find(s)) >= 0]
@@ -565,8 +576,75 @@ class MistralFormat(ToolCallFormat):
         return calls
 
 
+_ESCAPE = "<escape>"
+_FUNCTION_GEMMA_CALL = re.compile(r"\s*call:([^{}\s]+)(\{.*\})\s*", re.S)
+_BARE_VALUE = re.compile(r"[^,{}\[\]]*")
+
+
+def _gemma_value(text: str, i: int) -> tuple[Any, int]:
+    """FunctionGemma's value at text[i] and the index after it; ValueError where there is
+    none. A string sits between `<escape>` markers (or is a bare word that is no number,
+    boolean or null: small models leave the markers out); objects are `{key:value,...}` with
+    bare keys, lists `[value,...]`."""
+    if text.startswith(_ESCAPE, i):
+        end = text.find(_ESCAPE, i + len(_ESCAPE))
+        if end < 0:
+            raise ValueError("a string without its closing <escape>")
+        return text[i + len(_ESCAPE):end], end + len(_ESCAPE)
+    if text.startswith("{", i) or text.startswith("[", i):
+        is_object, close = text[i] == "{", "}" if text[i] == "{" else "]"
+        items: Any = {} if is_object else []
+        i += 1
+        while not text.startswith(close, i):
+            if is_object:
+                colon = text.find(":", i)
+                key = text[i:colon] if colon > i else ""
+                if not key or any(c in key for c in "{}[],<>"):
+                    raise ValueError("an object key")
+                items[key], i = _gemma_value(text, colon + 1)
+            else:
+                value, i = _gemma_value(text, i)
+                items.append(value)
+            if text.startswith(",", i):
+                i += 1
+            elif not text.startswith(close, i):
+                raise ValueError(f"no {close!r}")
+        return items, i + 1
+    word = _BARE_VALUE.match(text, i).group()
+    if not word.strip():
+        raise ValueError("an empty value")
+    try:
+        return _JSON.decode(word.strip()), i + len(word)
+    except ValueError:
+        return word.strip(), i + len(word)
+
+
+class FunctionGemmaFormat(ToolCallFormat):
+    """FunctionGemma's (Gemma 3 270M tuned for calls; its template declares the tools between
+    `<start_function_declaration>` markers): `<start_function_call>call:get_weather{city:
+    <escape>Paris<escape>,days:3}<end_function_call>`, one block per call; the values as
+    `_gemma_value` reads them."""
+
+    name = "functiongemma"
+    starts = ("<start_function_call>",)
+    end = "<end_function_call>"
+
+    def parse_region(self, start: str, body: str) -> list[ParsedCall] | None:
+        match = _FUNCTION_GEMMA_CALL.fullmatch(body)
+        if match is None:
+            return None
+        try:
+            arguments, end = _gemma_value(match.group(2), 0)
+        except ValueError:
+            return None
+        if end != len(match.group(2)):
+            return None
+        return [(match.group(1), _dumps(arguments))]
+
+
 TOOL_FORMATS: dict[str, type[ToolCallFormat]] = {
-    cls.name: cls for cls in (HermesFormat, Qwen3CoderFormat, Llama3JsonFormat, MistralFormat)}
+    cls.name: cls for cls in (HermesFormat, Qwen3CoderFormat, Llama3JsonFormat, MistralFormat,
+                              FunctionGemmaFormat)}
 
 
 def select_tool_format(tokenizer: Any = None, *, chat_template: str | None = None,
@@ -585,6 +663,8 @@ def select_tool_format(tokenizer: Any = None, *, chat_template: str | None = Non
         return Qwen3CoderFormat(tools)
     if "[TOOL_CALLS]" in template:
         return MistralFormat(tools)
+    if "<start_function_call>" in template or "<start_function_call>" in vocab:
+        return FunctionGemmaFormat(tools)
     if "<tool_call>" in template:
         return HermesFormat(tools)
     if "<|python_tag|>" in template or "ipython" in template:
