@@ -3,7 +3,8 @@
  * built for another machine (aarch64, run under qemu-aarch64) compute on the same inputs as
  * an x86 build of this driver (tests/kernels_c/harness.py writes the jobs and compares).
  *
- * It compiles the kernels' sources into itself, as decoder.c does (one translation unit):
+ * It compiles the kernels' sources into itself (decoder.c holds quant.c, linear.c and
+ * attention.c; drafting.c beside it), one translation unit:
  *   cc -O3 <tier flags> -std=gnu11 -fopenmp -I src/dresd/kernels driver.c -o driver -lm
  *
  * Job lines (files: raw little-endian arrays; "-" for an absent bias or mask):
@@ -17,10 +18,26 @@
  *       dresd_attention: Q heads x rows x dim, K and V kv_heads x length x dim (contiguous),
  *       MASK rows x MASK_STRIDE additive bf16 (its last LENGTH columns read), OUT rows x heads
  *       x dim bf16
+ *   decoder LAYERS HIDDEN HEADS KV_HEADS HEAD_DIM INTER GEMMA LAYOUT ROWS START THREADS
+ *           FINAL_NORM HIDDEN_ROWS COS SIN LOCAL_COS LOCAL_SIN WINDOW_START MASK
+ *           then per layer: IN_NORM POST_NORM QKV O GATE_UP DOWN Q_NORM K_NORM ATTN_OUT_NORM
+ *           MLP_OUT_NORM WINDOWED, then OUT
+ *       dresd_decoder over one segment of ROWS rows after START cached ones (the cache's
+ *       entries random, read from the file's keys and values after the rows: see harness.py),
+ *       GEMMA 1: Gemma's norms (plus one) and GELU-tanh, else Llama's; LAYOUT -1: the weights
+ *       bf16 packed for linear.c, else quant.c's layout of that number; "-" for an absent
+ *       norm, LOCAL_COS/SIN, WINDOW_START -1 for no window; MASK: ROWS x (START + ROWS)
+ *       additive bf16, or "-" (causal). OUT: the final norm's rows, then the keys and values
+ *   suffix MAX_DEPTH FACTOR OFFSET MAX_NODES MIN_PROB MAX_LEN SINGLE_PATH CONTEXT OUT
+ *       dresd_suffix_context_tree over CONTEXT int64 tokens: OUT the count, match length,
+ *       tokens, parents (int32) and probs (float64)
+ *   lookup MAX_NGRAM MIN_NGRAM DRAFT_LEN NUM_DRAFTS TOKENS OUT
+ *       dresd_prompt_lookup: OUT the count, drafts and lengths (int32)
+ *   densekey D DIM BF16 HIDDEN WEIGHT_T BIAS OUT
+ *       dresd_dense_key: OUT the key (float32)
  * Exit status 0 when every job ran; else a message on stderr naming the line. */
-#include "quant.c"
-#include "linear.c"
-#include "attention.c"
+#include "decoder.c"
+#include "drafting.c"
 
 #include <stdio.h>
 
@@ -44,6 +61,102 @@ static int write_file(const char *path, const void *data, size_t bytes) {
     size_t done = fwrite(data, 1, bytes, file);
     fclose(file);
     return done == bytes ? 0 : -1;
+}
+
+/* The next word of a job line (strtok over its copy), or NULL at its end. */
+static char *word(void) { return strtok(NULL, " \t\n"); }
+
+/* A file named by the next word ("-": NULL). */
+static void *next_file(void) {
+    char *name = word();
+    return name ? read_file(name, NULL) : NULL;
+}
+
+static int next_int(void) {
+    char *w = word();
+    return w ? atoi(w) : -1;
+}
+
+#define MAX_LAYERS 8
+
+static int decoder_job(const char *text) {
+    char line[16384];
+    snprintf(line, sizeof line, "%s", text);
+    strtok(line, " \t\n");  /* "decoder" */
+    Decoder m = {0};
+    m.layers = next_int(); m.hidden = next_int(); m.heads = next_int();
+    m.kv_heads = next_int(); m.head_dim = next_int(); m.intermediate = next_int();
+    int gemma = next_int(), layout = next_int(), rows = next_int(), start = next_int();
+    int threads = next_int();
+    if (m.layers < 1 || m.layers > MAX_LAYERS || rows < 1) return -1;
+    m.eps = 1e-6f;
+    m.scale = 1.0f / sqrtf((float)m.head_dim);
+    m.norm_plus_one = gemma;
+    m.activation = gemma ? ACTIVATION_GELU_TANH : ACTIVATION_SILU;
+    m.final_norm = next_file();
+    uint16_t *hidden = next_file(), *cos = next_file(), *sin = next_file();
+    uint16_t *local_cos = next_file(), *local_sin = next_file();
+    int window_start = next_int();
+    uint16_t *mask = next_file();
+    const uint16_t *in_norm[MAX_LAYERS], *post_norm[MAX_LAYERS], *q_norm[MAX_LAYERS],
+        *k_norm[MAX_LAYERS], *attn_out_norm[MAX_LAYERS], *mlp_out_norm[MAX_LAYERS];
+    const float *no_bias[MAX_LAYERS] = {0};
+    Weight qkv[MAX_LAYERS], o[MAX_LAYERS], gate_up[MAX_LAYERS], down[MAX_LAYERS];
+    unsigned char windowed[MAX_LAYERS];
+    int width = (m.heads + 2 * m.kv_heads) * m.head_dim;
+    for (int l = 0; l < m.layers; l++) {
+        in_norm[l] = next_file(); post_norm[l] = next_file();
+        Weight *parts[4] = {&qkv[l], &o[l], &gate_up[l], &down[l]};
+        int outputs[4] = {width, m.hidden, 2 * m.intermediate, m.hidden};
+        for (int p = 0; p < 4; p++)
+            *parts[p] = (Weight){.count = 1, .layout = {layout}, .n = {outputs[p]},
+                                 .data = {next_file()}};
+        q_norm[l] = next_file(); k_norm[l] = next_file();
+        attn_out_norm[l] = next_file(); mlp_out_norm[l] = next_file();
+        windowed[l] = (unsigned char)next_int();
+    }
+    char *out = word();
+    if (!out || !hidden || !cos || !sin || !m.final_norm) return -1;
+    m.input_norm = in_norm; m.post_norm = post_norm; m.qkv = qkv; m.qkv_bias = no_bias;
+    m.o = o; m.gate_up = gate_up; m.down = down;
+    m.q_norm = q_norm[0] ? q_norm : NULL; m.k_norm = k_norm[0] ? k_norm : NULL;
+    m.attention_out_norm = attn_out_norm[0] ? attn_out_norm : NULL;
+    m.mlp_out_norm = mlp_out_norm[0] ? mlp_out_norm : NULL;
+    m.windowed = window_start >= 0 ? windowed : NULL;
+    /* the cache: its first START entries per layer and kv head from the hidden file's tail */
+    int64_t capacity = start + rows, cache = (int64_t)m.layers * m.kv_heads * capacity
+                                                * m.head_dim;
+    const uint16_t *cached = hidden + (size_t)rows * m.hidden;
+    uint16_t *keys = calloc(cache, 2), *values = calloc(cache, 2);
+    uint16_t *normed = malloc((size_t)rows * m.hidden * 2 + 4);
+    if (!keys || !values || !normed) return -2;
+    for (int64_t block = 0; block < (int64_t)m.layers * m.kv_heads; block++)
+        for (int i = 0; i < start; i++) {
+            memcpy(keys + (block * capacity + i) * m.head_dim,
+                   cached + (block * start + i) * m.head_dim, m.head_dim * 2);
+            memcpy(values + (block * capacity + i) * m.head_dim,
+                   cached + ((int64_t)m.layers * m.kv_heads * start + block * start + i)
+                            * m.head_dim, m.head_dim * 2);
+        }
+    int first = 0, window = window_start;
+    int64_t stride = start + rows;
+    const uint16_t *masks[1] = {mask};
+    uint16_t *key_buffers[1] = {keys}, *value_buffers[1] = {values};
+    Segments segments = {.count = 1, .first = &first, .rows = &rows, .start = &start,
+                         .keys = key_buffers, .values = value_buffers, .capacity = &capacity,
+                         .masks = masks, .mask_strides = &stride,
+                         .window_start = window_start >= 0 ? &window : NULL};
+    int status = dresd_decoder(&m, hidden, rows, cos, sin, local_cos, local_sin, &segments,
+                               normed, threads);
+    if (status == 0) {
+        FILE *file = fopen(out, "wb");
+        if (!file) return -3;
+        fwrite(normed, 2, (size_t)rows * m.hidden, file);
+        fwrite(keys, 2, cache, file);
+        fwrite(values, 2, cache, file);
+        fclose(file);
+    }
+    return status;  /* the inputs are left to the process's end: a test driver */
 }
 
 static int run(char *line) {
@@ -115,6 +228,57 @@ static int run(char *line) {
         free(q); free(keys); free(values); free(mask); free(o);
         return status;
     }
+    if (!strcmp(kind, "decoder")) return decoder_job(line);
+    if (!strcmp(kind, "suffix")) {
+        int max_depth, max_nodes, max_len, single_path;
+        double factor, offset, min_prob;
+        if (sscanf(line, "%*s %d %lf %lf %d %lf %d %d %511s %511s", &max_depth, &factor,
+                   &offset, &max_nodes, &min_prob, &max_len, &single_path, a[0], out) != 9)
+            return -1;
+        long bytes;
+        int64_t *context = read_file(a[0], &bytes);
+        size_t size = 2 * sizeof(int32_t) + (size_t)max_nodes * (2 * sizeof(int32_t)
+                                                                   + sizeof(double));
+        int32_t *result = calloc(1, size);
+        if (!context || !result) return -2;
+        int32_t *tokens = result + 2, *parents = tokens + max_nodes;
+        double *probs = (double *)(parents + max_nodes);
+        result[0] = dresd_suffix_context_tree(context, bytes / 8, max_depth, factor, offset,
+                                              max_nodes, min_prob, max_len, single_path, tokens,
+                                              parents, probs, &result[1]);
+        int status = result[0] < 0 ? -2 : write_file(out, result, size);
+        free(context); free(result);
+        return status;
+    }
+    if (!strcmp(kind, "lookup")) {
+        int max_ngram, min_ngram, draft_len, num_drafts;
+        if (sscanf(line, "%*s %d %d %d %d %511s %511s", &max_ngram, &min_ngram, &draft_len,
+                   &num_drafts, a[0], out) != 6) return -1;
+        long bytes;
+        int64_t *tokens = read_file(a[0], &bytes);
+        size_t size = sizeof(int32_t) * (1 + (size_t)num_drafts * (draft_len + 1));
+        int32_t *result = calloc(1, size);
+        if (!tokens || !result) return -2;
+        result[0] = dresd_prompt_lookup(tokens, bytes / 8, max_ngram, min_ngram, draft_len,
+                                        num_drafts, result + 1,
+                                        result + 1 + (size_t)num_drafts * draft_len);
+        int status = write_file(out, result, size);
+        free(tokens); free(result);
+        return status;
+    }
+    if (!strcmp(kind, "densekey")) {
+        int d, dim, bf16;
+        if (sscanf(line, "%*s %d %d %d %511s %511s %511s %511s", &d, &dim, &bf16, a[0], a[1],
+                   a[2], out) != 7) return -1;
+        void *hidden = read_file(a[0], NULL);
+        float *weight_t = read_file(a[1], NULL), *bias = read_file(a[2], NULL);
+        float *key = malloc(sizeof(float) * dim);
+        if (!hidden || !weight_t || !bias || !key) return -2;
+        dresd_dense_key(hidden, bf16, d, weight_t, bias, dim, key);
+        int status = write_file(out, key, sizeof(float) * dim);
+        free(hidden); free(weight_t); free(bias); free(key);
+        return status;
+    }
     return -1;
 }
 
@@ -128,7 +292,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cannot read %s\n", argv[1]);
         return 2;
     }
-    char line[4096];
+    char line[16384];
     int number = 0, failed = 0;
     while (fgets(line, sizeof line, jobs)) {
         number++;

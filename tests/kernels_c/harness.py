@@ -1,6 +1,7 @@
 """dresd's C kernels on aarch64 (the `neon` and `neoni8mm` tiers), run under qemu-aarch64.
 
-`driver.c` compiles the kernels (quant.c, linear.c, attention.c) into a static binary for each
+`driver.c` compiles the kernels (decoder.c with the quant.c, linear.c and attention.c it holds,
+and drafting.c) into a static binary for each
 aarch64 tier with `aarch64-linux-gnu-gcc`; this module writes the inputs (numpy, torch), runs
 every job under `qemu-aarch64` in one process, and checks the outputs three ways:
 
@@ -11,10 +12,16 @@ every job under `qemu-aarch64` in one process, and checks the outputs three ways
    - the bf16 linear: x W^T + b in float64, within one bf16 rounding, |error| <= 2^-8 |value|
      + 1e-5 (tests/test_kernel_linear.py);
    - attention: softmax(q k^T scale + mask) v in float64, atol = rtol = 8e-3 (bf16's output
-     rounding; tests/test_kernel_attention.py).
+     rounding; tests/test_kernel_attention.py);
+   - DReSD's key (drafting.c) against W h + b in float64, unit length, |error| < 1e-5;
+   - the whole decoder (decoder.c) has no float64 reference here: its bits are compared with
+     the avx2 tier's (3. below), whose decoder tests/test_kernel_decoder.py checks against
+     the PyTorch forward; the suffix tree and prompt lookup likewise (integer search, checked
+     on x86 against the Python drafters).
 2. Batch and thread invariance on the tier itself, bit for bit: every row of a call of 2..29
    rows at 1, 2 or 3 threads equals the same row computed alone; an attention row of a tree
-   batch equals the row alone over only the keys it sees.
+   batch equals the row alone over only the keys it sees; the decoder's output and cache
+   are the same at 1 and 3 threads.
 3. Across tiers, bit for bit, where this machine runs x86's avx2 tier: the same jobs through
    an x86 build of the driver (-mavx2 -mfma -mf16c). Exactness across tiers is not promised in
    general (docs/exactness.md: avx512bf16's vdpbf16ps sums differently, as llama.cpp's tiers
@@ -270,6 +277,116 @@ def attention_cases(suite: Suite) -> None:
                         "the row alone on the keys it sees", invariant)
 
 
+def bf16_near(generator: torch.Generator, *shape: int, mean: float = 0.0,
+              std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=generator) * std + mean).to(torch.bfloat16)
+
+
+def rotary_table(positions: range, head_dim: int, base: float) -> tuple[torch.Tensor, ...]:
+    """cos and sin, rows x head_dim bf16, as transformers' Llama rotary embedding makes them."""
+    inverse = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.tensor(list(positions), dtype=torch.float64)[:, None] * inverse[None]
+    angles = torch.cat([angles, angles], dim=1)
+    return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+
+def decoder_cases(suite: Suite) -> None:
+    """The whole C decoder (decoder.c) on a two-layer model: Llama's layers in bf16 (causal),
+    Gemma's (norms plus one, GELU-tanh, q/k norms, sandwich norms, a sliding-window layer with
+    its own rotary table, a tree mask), and Llama's on quantized blocks (Q4_0, Q4_K, Q6_K):
+    its output rows and the cache it writes, the same bits at 1 and 3 threads. Against the
+    x86 avx2 tier's bits (run()), whose decoder tests/test_kernel_decoder.py checks against
+    the PyTorch forward."""
+    generator = torch.Generator().manual_seed(17)
+    rng = np.random.default_rng(17)
+    layers, hidden, heads, kv_heads, head_dim, inter = 2, 256, 4, 2, 64, 512
+    rows, start = 5, 6
+    width = (heads + 2 * kv_heads) * head_dim
+    shapes = [(width, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
+
+    def weights(qtype) -> list[str]:
+        if qtype is None:
+            return [suite.array(cpu_linear.pack(bf16_near(generator, n, k, std=k ** -0.5)))
+                    for n, k in shapes]
+        return [suite.array(quant.pack(qtype, raw_tensor(qtype, n, k, rng), n, k).numpy())
+                for n, k in shapes]
+
+    cos, sin = (suite.array(t) for t in rotary_table(range(start, start + rows), head_dim,
+                                                     10000.0))
+    local_cos, local_sin = (suite.array(t) for t in rotary_table(range(start, start + rows),
+                                                                 head_dim, 10.0))
+    visible = torch.ones(rows, start + rows, dtype=torch.bool).tril(start)
+    visible[:, start:] |= (torch.rand(rows, rows, generator=generator) < 0.5).tril()
+    mask = torch.zeros(rows, start + rows, dtype=torch.bfloat16).masked_fill(~visible, BF16_MIN)
+    cases = [("Llama bf16, causal", None, 0, "-", -1), ("Gemma bf16, window, tree", None, 1,
+                                                         suite.array(mask), start - 3)]
+    cases += [(f"Llama {q.name}, tree", q, 0, suite.array(mask), -1)
+              for q in (quant.Q.Q4_0, quant.Q.Q4_K, quant.Q.Q6_K)]
+    for name, qtype, gemma, mask_file, window_start in cases:
+        # the rows, then the cache's START keys and values per layer and kv head
+        state = suite.array(torch.cat([
+            bf16_near(generator, rows * hidden),
+            bf16_near(generator, 2 * layers * kv_heads * start * head_dim)]))
+        per_layer = []
+        for layer in range(layers):
+            norms = [suite.array(bf16_near(generator, hidden, mean=0.0 if gemma else 1.0,
+                                           std=0.1)) for _ in range(2)]
+            extra = ([suite.array(bf16_near(generator, head_dim, std=0.1)) for _ in range(2)]
+                     + [suite.array(bf16_near(generator, hidden, std=0.1)) for _ in range(2)]
+                     if gemma else ["-"] * 4)
+            per_layer += [*norms, *weights(qtype), *extra, int(layer == 0 and gemma)]
+        windows = [local_cos, local_sin] if window_start >= 0 else ["-", "-"]
+        layout = -1 if qtype is None else quant.LAYOUTS[qtype].number
+        final_norm = suite.array(bf16_near(generator, hidden, mean=0.0 if gemma else 1.0,
+                                           std=0.1))
+        outputs = [suite.job("decoder", layers, hidden, heads, kv_heads, head_dim, inter, gemma,
+                             layout, rows, start, threads, final_norm, state, cos, sin, *windows,
+                             window_start, mask_file, *per_layer) for threads in (1, 3)]
+
+        def same_bits(out, outputs=outputs, size=(rows * hidden + 2 * layers * kv_heads
+                                                  * (start + rows) * head_dim) * 2):
+            first, other = (out[o] for o in outputs)
+            assert len(first) == size and first == other
+            assert np.isfinite(from_bf16(first)).all()
+        suite.check(f"decoder, {name}: 1 and 3 threads the same bits", same_bits)
+
+
+def drafting_cases(suite: Suite) -> None:
+    """drafting.c's kernels: the suffix drafter's tree over a repetitive context (tree and
+    chain), prompt lookup, and DReSD's key (bf16 and float32 hidden rows, against float64)."""
+    rng = np.random.default_rng(19)
+    motif = rng.integers(0, 50, size=12)
+    context = np.concatenate([motif, rng.integers(0, 50, size=30), motif, motif[:5],
+                              rng.integers(0, 9, size=200), motif[:7]]).astype(np.int64)
+    context_file = suite.array(context)
+    for single_path in (0, 1):
+        tree = suite.job("suffix", 64, 1.0, 0.0, 24, 0.05, 16, single_path, context_file)
+
+        def found(out, tree=tree):
+            assert np.frombuffer(out[tree][:4], dtype=np.int32)[0] > 0  # a tree to compare
+        suite.check(f"suffix tree (single path {single_path}): a tree is found", found)
+    lookup = suite.job("lookup", 3, 1, 10, 4, context_file)
+
+    def drafted(out, lookup=lookup):
+        assert np.frombuffer(out[lookup][:4], dtype=np.int32)[0] > 0
+    suite.check("prompt lookup: drafts are found", drafted)
+    d, dim = 576, 64
+    weight_t = rng.standard_normal((d, dim)).astype(np.float32) * d ** -0.5
+    bias = rng.standard_normal(dim).astype(np.float32)
+    row = torch.from_numpy(rng.standard_normal(d)).to(torch.bfloat16)
+    for as_bf16, values in ((1, row), (0, row.float())):
+        key = suite.job("densekey", d, dim, as_bf16, suite.array(values),
+                        suite.array(weight_t), suite.array(bias))
+        expected = row.double().numpy() @ weight_t.astype(np.float64) + bias
+        expected /= np.linalg.norm(expected)
+
+        def against(out, key=key, expected=expected):
+            got = np.frombuffer(out[key], dtype=np.float32).astype(np.float64)
+            assert np.abs(got - expected).max() < 1e-5, np.abs(got - expected).max()
+        suite.check(f"dense key ({'bf16' if as_bf16 else 'float32'} hidden): W h + b, unit "
+                    "length (float64)", against)
+
+
 # --- running -----------------------------------------------------------------------------
 
 def run_jobs(command: list[str], suite: Suite, folder: Path) -> dict[str, bytes]:
@@ -308,6 +425,8 @@ def run(workdir: Path, tiers: list[str] | None = None) -> Report:
     quant_cases(suite)
     linear_cases(suite)
     attention_cases(suite)
+    decoder_cases(suite)
+    drafting_cases(suite)
     report.notes.append(f"{len(suite.lines)} kernel calls a tier, {len(suite.checks)} checks")
 
     x86 = None  # the avx2 tier's outputs: the bits every aarch64 tier should give
@@ -331,8 +450,8 @@ def run(workdir: Path, tiers: list[str] | None = None) -> Report:
             label = f"{tier.name}: all {len(x86)} outputs bit for bit the avx2 tier's"
             (report.failed if differ else report.passed).append(
                 label + (f": {len(differ)} differ ({', '.join(differ[:8])})" if differ else ""))
-        # the kernels not run here compile for the tier (decoder.c and experts.c hold the others)
-        for source in ("decoder.c", "experts.c", "drafting.c"):
+        # the kernels not run here compile for the tier
+        for source in ("experts.c", "recurrent.c"):
             done = subprocess.run([CROSS_CC, "-fsyntax-only", *COMMON, *tier.flags,
                                    str(KERNELS / source)], capture_output=True, text=True)
             label = f"{tier.name}: {source} compiles"

@@ -10,7 +10,6 @@ exit status 1, and with `--debug` the whole traceback, to report.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from typing import NoReturn
@@ -84,10 +83,6 @@ def version_text() -> str:
     elif tier is None:
         forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels need AVX2, FMA and "
                    "F16C at least (aarch64: NEON with the dot product), which this CPU lacks")
-    elif tier.arch != "x86_64" and os.environ.get("DRESD_CPU_DECODER") != "1":
-        forward = (f"PyTorch's forward around dresd's {tier.name} linears and attention "
-                   f"({tier.summary}): the C decoder is not yet tested on {tier.arch} "
-                   "(DRESD_CPU_DECODER=1 runs it)")
     else:
         forward = ("PyTorch's forward (oneDNN linears): dresd's C kernels did not compile "
                    "(no C compiler, a failed compile, or DRESD_CPU_* = 0)")

@@ -16,16 +16,15 @@ the MLP's outputs, sliding-window layers with their own rotary table); those run
 decoder only (`forward.LlamaForward.takes_on_c_decoder`). `CDecoder.build` returns None
 elsewhere, and the forward keeps its PyTorch path (or transformers', for Gemma-3).
 `DRESD_CPU_DECODER=0` turns it off. Compiled once per machine, like the other kernels
-(`kernels.load`). On aarch64 (the neon tiers) it is off unless
-`DRESD_CPU_DECODER=1`: it compiles there, but only its linears and attention have been run
-under qemu (tests/test_neon_qemu.py), so the forward keeps its PyTorch path around them.
+(`kernels.load`). On aarch64 (the neon tiers) the same: its whole forward runs under qemu in
+the tests (tests/test_neon_qemu.py: Llama's and Gemma's layers, bf16 and quantized, every
+output bit for bit the x86 avx2 tier's).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -156,8 +155,6 @@ def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be."""
     if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
-    if kernels.tier().arch != "x86_64" and os.environ.get("DRESD_CPU_DECODER") != "1":
-        return None  # not yet run on aarch64 (the module's docstring)
     library = kernels.load(SOURCE, FLAGS, "DRESD_CPU_DECODER", "PyTorch's element-wise ops",
                            includes=(cpu_linear.SOURCE, cpu_attention.SOURCE, quant.SOURCE,
                                      *kernels.HEADERS))
