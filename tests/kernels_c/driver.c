@@ -4,7 +4,7 @@
  * an x86 build of this driver (tests/kernels_c/harness.py writes the jobs and compares).
  *
  * It compiles the kernels' sources into itself (decoder.c holds quant.c, linear.c and
- * attention.c; drafting.c beside it), one translation unit:
+ * attention.c; drafting.c and recurrent.c beside it), one translation unit:
  *   cc -O3 <tier flags> -std=gnu11 -fopenmp -I src/dresd/kernels driver.c -o driver -lm
  *
  * Job lines (files: raw little-endian arrays; "-" for an absent bias or mask):
@@ -35,9 +35,13 @@
  *       dresd_prompt_lookup: OUT the count, drafts and lengths (int32)
  *   densekey D DIM BF16 HIDDEN WEIGHT_T BIAS OUT
  *       dresd_dense_key: OUT the key (float32)
+ *   delta ROWS HEADS KEY_HEADS DK DV TILED THREADS PARENTS Q K V BETA G STATE OUT
+ *       dresd_delta_rule over a tree's rows (PARENTS int32): OUT each row's output, then the
+ *       state after the last row (float32)
  * Exit status 0 when every job ran; else a message on stderr naming the line. */
 #include "decoder.c"
 #include "drafting.c"
+#include "recurrent.c"
 
 #include <stdio.h>
 
@@ -264,6 +268,26 @@ static int run(char *line) {
                                         result + 1 + (size_t)num_drafts * draft_len);
         int status = write_file(out, result, size);
         free(tokens); free(result);
+        return status;
+    }
+    if (!strcmp(kind, "delta")) {
+        int rows, heads, key_heads, dk, dv, tiled, threads;
+        char b[3][512];
+        if (sscanf(line, "%*s %d %d %d %d %d %d %d %511s %511s %511s %511s %511s %511s %511s "
+                   "%511s %511s", &rows, &heads, &key_heads, &dk, &dv, &tiled, &threads, a[0],
+                   a[1], a[2], a[3], b[0], b[1], b[2], out) != 15) return -1;
+        int32_t *parents = read_file(a[0], NULL);
+        float *q = read_file(a[1], NULL), *k = read_file(a[2], NULL), *v = read_file(a[3], NULL);
+        float *beta = read_file(b[0], NULL), *g = read_file(b[1], NULL),
+              *state = read_file(b[2], NULL);
+        size_t outputs = (size_t)rows * heads * dv, states = (size_t)heads * dk * dv;
+        float *result = malloc(sizeof(float) * (outputs + states));
+        if (!parents || !q || !k || !v || !beta || !g || !state || !result) return -2;
+        int status = dresd_delta_rule(rows, parents, heads, key_heads, dk, dv, tiled, q, k, v,
+                                      beta, g, state, result, result + outputs, threads);
+        if (status == 0) status = write_file(out, result, sizeof(float) * (outputs + states));
+        free(parents); free(q); free(k); free(v); free(beta); free(g); free(state);
+        free(result);
         return status;
     }
     if (!strcmp(kind, "densekey")) {

@@ -30,12 +30,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Each multiply-add below is written as the fmaf it is, and the compiler fuses no other: left
+ * to fuse as it likes (-ffp-contract=fast), GCC's x86 and aarch64 back ends chose differently
+ * here and the NEON tier's states differed from the AVX2 tier's in the last bits (found under
+ * qemu, tests/kernels_c/harness.py); written out, every tier computes the same operations. */
+#pragma STDC FP_CONTRACT OFF
+#pragma GCC optimize("fp-contract=off")
+
 #define MAX_HEAD 512  /* the largest key or value head size (a head's scratch on the stack) */
 
 /* x / sqrt(x.x + eps) into out, the sum in index order */
 static void l2_normed(const float *x, int n, float scale, float *out) {
     float sum = 0.0f;
-    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    for (int i = 0; i < n; i++) sum = fmaf(x[i], x[i], sum);
     float inverse = 1.0f / sqrtf(sum + 1e-6f);
     for (int i = 0; i < n; i++) out[i] = x[i] * inverse * scale;
 }
@@ -49,7 +56,7 @@ static void head_step(float *s, const float *q, const float *k, const float *v, 
         float *row = s + (size_t)i * dv;
         for (int j = 0; j < dv; j++) {
             row[j] *= decay;
-            kv[j] += row[j] * k[i];
+            kv[j] = fmaf(row[j], k[i], kv[j]);
         }
     }
     for (int j = 0; j < dv; j++) {
@@ -59,8 +66,8 @@ static void head_step(float *s, const float *q, const float *k, const float *v, 
     for (int i = 0; i < dk; i++) {  /* S += k d^T;  out = S^T q */
         float *row = s + (size_t)i * dv;
         for (int j = 0; j < dv; j++) {
-            row[j] += k[i] * delta[j];
-            out[j] += row[j] * q[i];
+            row[j] = fmaf(k[i], delta[j], row[j]);
+            out[j] = fmaf(row[j], q[i], out[j]);
         }
     }
 }
