@@ -3,8 +3,8 @@
  * built for another machine (aarch64, run under qemu-aarch64) compute on the same inputs as
  * an x86 build of this driver (tests/kernels_c/harness.py writes the jobs and compares).
  *
- * It compiles the kernels' sources into itself (decoder.c holds quant.c, linear.c and
- * attention.c; drafting.c and recurrent.c beside it), one translation unit:
+ * It compiles the kernels' sources into itself (experts.c holds decoder.c, which holds quant.c,
+ * linear.c and attention.c; drafting.c and recurrent.c beside it), one translation unit:
  *   cc -O3 <tier flags> -std=gnu11 -fopenmp -I src/dresd/kernels driver.c -o driver -lm
  *
  * Job lines (files: raw little-endian arrays; "-" for an absent bias or mask):
@@ -35,11 +35,15 @@
  *       dresd_prompt_lookup: OUT the count, drafts and lengths (int32)
  *   densekey D DIM BF16 HIDDEN WEIGHT_T BIAS OUT
  *       dresd_dense_key: OUT the key (float32)
+ *   moe EXPERTS USED FFN NORM LAYOUT ROWS D THREADS ROUTER X, then per expert GATE_UP DOWN,
+ *       then OUT
+ *       dresd_moe_mlp of one layer on X (ROWS x D bf16), ROUTER float32 [EXPERTS][D], each
+ *       expert's weights in LAYOUT (-1: bf16 packed): OUT ROWS x D bf16
  *   delta ROWS HEADS KEY_HEADS DK DV TILED THREADS PARENTS Q K V BETA G STATE OUT
  *       dresd_delta_rule over a tree's rows (PARENTS int32): OUT each row's output, then the
  *       state after the last row (float32)
  * Exit status 0 when every job ran; else a message on stderr naming the line. */
-#include "decoder.c"
+#include "experts.c"  /* and the decoder.c it holds */
 #include "drafting.c"
 #include "recurrent.c"
 
@@ -163,6 +167,35 @@ static int decoder_job(const char *text) {
     return status;  /* the inputs are left to the process's end: a test driver */
 }
 
+#define MAX_EXPERTS 64
+
+static int moe_job(const char *text) {
+    char line[16384];
+    snprintf(line, sizeof line, "%s", text);
+    strtok(line, " \t\n");  /* "moe" */
+    int experts = next_int(), used = next_int(), ffn = next_int(), norm = next_int();
+    int layout = next_int(), rows = next_int(), d = next_int(), threads = next_int();
+    if (experts < 1 || experts > MAX_EXPERTS || rows < 1) return -1;
+    const float *router[1] = {next_file()};
+    uint16_t *x = next_file();
+    Weight gate_up[MAX_EXPERTS], down[MAX_EXPERTS];
+    for (int j = 0; j < experts; j++) {
+        gate_up[j] = (Weight){.count = 1, .layout = {layout}, .n = {2 * ffn},
+                              .data = {next_file()}};
+        down[j] = (Weight){.count = 1, .layout = {layout}, .n = {d}, .data = {next_file()}};
+    }
+    char *out = word();
+    if (!out || !router[0] || !x) return -1;
+    Experts e = {.experts = experts, .used = used, .ffn = ffn, .norm = norm, .router = router,
+                 .gate_up = gate_up, .down = down};
+    uint16_t *y = malloc((size_t)rows * d * 2 + 4);
+    if (!y) return -2;
+    int status = dresd_moe_mlp(&e, 0, x, rows, d, y, threads);
+    if (status == 0) status = write_file(out, y, (size_t)rows * d * 2);
+    free(y);
+    return status;
+}
+
 static int run(char *line) {
     char kind[16], a[4][512], out[512];
     if (sscanf(line, "%15s", kind) != 1) return 0;  /* a blank line */
@@ -270,6 +303,7 @@ static int run(char *line) {
         free(tokens); free(result);
         return status;
     }
+    if (!strcmp(kind, "moe")) return moe_job(line);
     if (!strcmp(kind, "delta")) {
         int rows, heads, key_heads, dk, dv, tiled, threads;
         char b[3][512];

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -47,14 +46,10 @@ class ExpertsStruct(ctypes.Structure):
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel (compiled on first use, then cached), or None where it cannot be
-    (`DRESD_CPU_EXPERTS=0` too, and on aarch64 unless `DRESD_CPU_EXPERTS=1`: experts.c has
-    not run under qemu, unlike the decoder; then a MoE file is refused). `DRESD_CPU_DECODER=0`
+    (`DRESD_CPU_EXPERTS=0` too; then a MoE file is refused). `DRESD_CPU_DECODER=0`
     leaves it: the layers then run in PyTorch, each layer's experts still here (`MoEMLP`)."""
     if cpu_linear.kernel() is None or cpu_attention.kernel() is None:
         return None
-    if getattr(kernels.tier(), "arch", "x86_64") != "x86_64" \
-            and os.environ.get("DRESD_CPU_EXPERTS") != "1":
-        return None  # not yet run under qemu (tests/test_neon_qemu.py runs decoder.c)
     library = kernels.load(SOURCE, c_decoder.FLAGS, "DRESD_CPU_EXPERTS", "no MoE models",
                            includes=(c_decoder.SOURCE, cpu_linear.SOURCE, cpu_attention.SOURCE,
                                      quant.SOURCE, *kernels.HEADERS))
