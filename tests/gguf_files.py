@@ -453,7 +453,8 @@ def add_converted_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if getattr(config, "intermediate_size", None) is not None:  # none in Qwen3.5-MoE's
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -563,16 +564,34 @@ QWEN35_LAYER_TENSORS = {
     "linear_attn.out_proj": "ssm_out", "linear_attn.norm": "ssm_norm",
     "linear_attn.conv1d": "ssm_conv1d", "linear_attn.A_log": "ssm_a",
     "linear_attn.dt_bias": "ssm_dt",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
-def qwen35_model(seed: int = 0):
-    """A random float32 `Qwen3_5ForCausalLM` of `QWEN35_SHAPE`, every weight a bf16 value: norms
-    near zero (the model multiplies by 1 + weight), decays and step sizes spread."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+# Qwen3.5-MoE's MLP instead of the dense one: routed experts and a gated shared expert
+QWEN35_MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=96)
 
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
-        num_hidden_layers=len(QWEN35_SHAPE["layer_types"]), **QWEN35_SHAPE))
+
+def qwen35_model(seed: int = 0, moe: bool = False):
+    """A random float32 `Qwen3_5ForCausalLM` of `QWEN35_SHAPE` (with `moe`, a
+    `Qwen3_5MoeForCausalLM` with `QWEN35_MOE_SHAPE`'s experts), every weight a bf16 value:
+    norms near zero (the model multiplies by 1 + weight), decays and step sizes spread."""
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    layers = len(QWEN35_SHAPE["layer_types"])
+    if moe:
+        shape = {k: v for k, v in QWEN35_SHAPE.items() if k != "intermediate_size"}
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_hidden_layers=layers, **shape,
+                                                           **QWEN35_MOE_SHAPE))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(num_hidden_layers=layers, **QWEN35_SHAPE))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -606,18 +625,29 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     """`model` (from `qwen35_model`) as llama.cpp's converter writes its folder with
     `--no-mtp` (`Qwen3_5TextModel`, `Qwen3NextModel.modify_tensors`): norms plus one but the
     Gated DeltaNet's own, ssm_a = -exp(A_log), the convolution squeezed, value heads tiled,
-    2-D weights in `linear_type` (the converter's bf16; another type quantized from them)."""
+    2-D weights in `linear_type` (the converter's bf16; another type quantized from them). A
+    Qwen3.5-MoE model as `Qwen3_5MoeTextModel` writes it: the router and the shared expert's
+    gate in F32, the routed experts as `_add_experts` writes Qwen3-MoE's, the shared expert's
+    projections as `ffn_*_shexp`, the expert counts and sizes."""
     config = model.config
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_size = config.linear_value_head_dim
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    arch = "qwen35moe" if config.model_type == "qwen3_5_moe_text" else "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
     add_converted_metadata(writer, config)
+    if arch == "qwen35moe":  # `Qwen2MoeModel.set_gguf_parameters`
+        for key, value in {"expert_count": config.num_experts,
+                           "expert_used_count": config.num_experts_per_tok,
+                           "expert_feed_forward_length": config.moe_intermediate_size,
+                           "expert_shared_feed_forward_length":
+                               config.shared_expert_intermediate_size}.items():
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_num_key_heads)
     writer.add_ssm_time_step_rank(config.linear_num_value_heads)
     writer.add_ssm_inner_size(value_size * config.linear_num_value_heads)
-    writer.add_array("qwen35.attention.recurrent_layers",  # (gguf 0.19 has no adder for it)
+    writer.add_array(f"{arch}.attention.recurrent_layers",  # (gguf 0.19 has no adder for it)
                      [kind == "linear_attention" for kind in config.layer_types])
     writer.add_full_attention_interval(4)
     writer.add_rope_dimension_count(int(config.head_dim
@@ -627,6 +657,9 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     rng = np.random.default_rng(0)
     for name, value in model.state_dict().items():
         weights = value.float().numpy()
+        if ".mlp.gate." in name or ".mlp.experts." in name:  # the router, the routed experts
+            _add_experts(writer, name, weights, linear_type)
+            continue
         if name in TOP_TENSORS:
             gguf_name = TOP_TENSORS[name]
         else:
@@ -650,7 +683,7 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
                 weights = _tiled_value_heads(weights, config, value_size, axis=1)
         if name.endswith("norm.weight") and "linear_attn" not in name:
             weights = weights + 1
-        if weights.ndim == 1 or "conv1d" in name:
+        if weights.ndim == 1 or "conv1d" in name or "shared_expert_gate" in name:
             writer.add_tensor(gguf_name, np.ascontiguousarray(weights, dtype=np.float32))
         else:
             data = tensor_bytes(linear_type, np.ascontiguousarray(weights), rng)

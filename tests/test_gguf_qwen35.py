@@ -1,9 +1,12 @@
 """Qwen3.5 (`qwen35`) GGUF files: Gated DeltaNet layers beside full attention, as llama.cpp's
 converter writes them (norms plus one, ssm_a = -exp(A_log), value heads tiled), run by
-decoding/recurrent.py on dresd's quantized kernels. The reference no one here wrote:
-transformers' float32 `Qwen3_5ForCausalLM` on the folder the file was converted from. The file
-is `gguf_files.convert_qwen35_like_llama_cpp`'s, checked here to be llama.cpp's converter's bit
-for bit where that converter is on this machine."""
+decoding/recurrent.py on dresd's quantized kernels; and Qwen3.5-MoE (`qwen35moe`) files, each
+layer's MLP routed experts in C plus a gated shared expert. The reference no one here wrote:
+transformers' float32 `Qwen3_5ForCausalLM` (`Qwen3_5MoeForCausalLM`) on the folder the file
+was converted from. The file is `gguf_files.convert_qwen35_like_llama_cpp`'s, checked here to
+be llama.cpp's converter's bit for bit where that converter is on this machine (the MoE file
+was checked so by hand: the converter refuses the default tokenizer's pre-tokenizer for that
+class, a vocabulary matter, so its tensors were compared with that check patched out)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from dresd.decoding.batch import Request
 from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import TILED_VALUE_HEADS, GatedDeltaNetForward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
-from dresd.gguf_model import describe, open_gguf
+from dresd.gguf_model import SharedExpertMoE, describe, open_gguf
 from dresd.kernels import quant
 from dresd.models import load_target
 
@@ -123,10 +126,13 @@ def test_llama_cpps_own_converter_writes_the_same_file(model, path, tmp_path):
         assert theirs.fields[key].contents() == ours.fields[key].contents(), key
 
 
-def test_quantized_file_every_method_is_ar_and_batched_is_alone(model, tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_quantized_file_every_method_is_ar_and_batched_is_alone(model, moe_model, tmp_path,
+                                                                moe):
     """A Q4_0 file (every weight in 4-bit blocks): each drafter, alone or batched with small
     prefill chunks, gives plain decoding's tokens on the same file."""
-    target = load_target(str(convert_qwen35_like_llama_cpp(model, tmp_path / "q4.gguf",
+    target = load_target(str(convert_qwen35_like_llama_cpp(moe_model if moe else model,
+                                                           tmp_path / "q4.gguf",
                                                            gguf.GGMLQuantizationType.Q4_0)))
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, VOCAB, size).tolist() for size in (5, 33, 70)]
@@ -146,3 +152,48 @@ def test_quantized_file_every_method_is_ar_and_batched_is_alone(model, tmp_path)
     results = run_batched(target.model, requests, [0, 0, 2, 5], max_batch_size=3,
                           prefill_chunk=8)
     assert [r.token_ids for r in results] == plain
+
+
+# --- Qwen3.5-MoE (qwen35moe) -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_model():
+    return qwen35_model(seed=0, moe=True)
+
+
+@pytest.fixture(scope="module")
+def moe_target(moe_model, tmp_path_factory):
+    return load_target(str(convert_qwen35_like_llama_cpp(
+        moe_model, tmp_path_factory.mktemp("qwen35moe") / "q.gguf")))
+
+
+def test_the_moe_file_runs_its_experts_in_c(moe_target):
+    assert isinstance(make_forward(moe_target.model), GatedDeltaNetForward)
+    mlps = [layer.mlp for layer in moe_target.model.model.layers]
+    assert all(isinstance(mlp, SharedExpertMoE) for mlp in mlps)
+    assert mlps[0].experts.experts == 4 and mlps[0].experts.used == 2 and mlps[0].experts.norm
+
+
+def test_each_moe_layer_is_transformers_own_block(moe_target, moe_model):
+    """Each layer's MLP on the same bf16 rows as transformers' float32 sparse block (router,
+    top 2 renormalised, experts, the shared expert and its sigmoid gate): within bf16's
+    rounding of its steps (a wrong router, gate or expert order is off by tens of percent)."""
+    rows = torch.randn(1, 24, moe_model.config.hidden_size,
+                       generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for ours, theirs in zip(moe_target.model.model.layers, moe_model.model.layers, strict=True):
+        with torch.inference_mode():
+            expected = theirs.mlp(rows.float())
+            got = ours.mlp(rows).float()
+        error = ((got - expected).abs().max() / expected.abs().max()).item()
+        assert error < 0.02, error
+
+
+@pytest.mark.parametrize("prompt_seed", [0, 1])
+def test_the_moe_file_gives_transformers_float32_tokens(moe_target, moe_model, prompt_seed):
+    """Greedy tokens agree with transformers' float32 model until its own near-tie."""
+    prompt = np.random.default_rng(prompt_seed).integers(0, VOCAB, PROMPT).tolist()
+    expected, _, gaps = reference_greedy(moe_model, prompt, NEW)
+    got = speculative_generate(moe_target.model, NoDrafter(), torch.tensor(prompt),
+                               max_new_tokens=NEW).token_ids
+    agree = tokens_agreeing(got, expected)
+    assert agree == NEW or gaps[agree] < NEAR_TIE, (agree, gaps)

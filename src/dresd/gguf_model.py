@@ -33,7 +33,8 @@ the router and the 3-D expert tensors into a `kernels/experts.MoEMLP`, run in C.
 A `qwen35` file (Qwen3.5's text model: Gated DeltaNet layers beside gated full attention) is
 built as transformers' `Qwen3_5ForCausalLM` and runs on `decoding/recurrent.py`, its draft
 trees verified over the recurrent states node by node (the Qwen3.5 section below says how the
-file is read back).
+file is read back); a `qwen35moe` file as `Qwen3_5MoeForCausalLM`, each layer's MLP its routed
+experts in C plus the gated shared expert (`SharedExpertMoE`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from transformers import (
     AutoTokenizer,
     Gemma3TextConfig,
     PreTrainedModel,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -78,7 +80,8 @@ C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # `LlamaForwa
 HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on q and k
 MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
 # gemma3: its own config and layers; qwen35: its own too (`qwen35_config`), and its own forward
-ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3", "qwen35")
+QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")  # decoding/recurrent.py's (the Qwen3.5 section)
+ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3", *QWEN35_ARCHITECTURES)
 C_DECODER_RUNS = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3 in the C decoder's Gemma form
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
@@ -377,9 +380,9 @@ def describe(reader: GGUFFile) -> dict:
     if not why_not:  # the linears run in the C quantized kernel either way
         forward = ("dresd's C decoder" if architecture in C_DECODER_RUNS else
                    "dresd's per-node recurrent forward (decoding/recurrent.py), its linears in "
-                   "dresd's C quantized kernel" if architecture == "qwen35" else
+                   "dresd's C quantized kernel" if architecture in QWEN35_ARCHITECTURES else
                    "transformers' forward, its linears in dresd's C quantized kernel")
-        if architecture in MOE_ARCHITECTURES:
+        if architecture in (*MOE_ARCHITECTURES, QWEN35_MOE):
             forward += ", each layer's experts in C (kernels/experts.c)"
     return {"architecture": architecture,
             "name": _field(reader, "general.name"),
@@ -660,18 +663,25 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
 #   (`TILED_VALUE_HEADS`): the same sums, in llama.cpp's head order.
 # - `attn_q` holds each head's query and output gate side by side, as transformers' q_proj.
 # - NextN/MTP layers (`nextn_predict_layers`) are counted in `block_count`; they are not read.
+# - `qwen35moe` (`Qwen3_5MoeTextModel`, whose experts `Qwen2MoeModel` writes): the router
+#   `ffn_gate_inp` and the shared expert's gate `ffn_gate_inp_shexp` in F32, the routed experts
+#   as 3-D `ffn_{gate,up,down}_exps`, the shared expert as `ffn_{gate,up,down}_shexp`; the
+#   expert counts and sizes in `expert_*` keys, no `feed_forward_length`. The router's top k
+#   weights are always renormalised (transformers' `Qwen3_5MoeTopKRouter`).
 
-QWEN35 = "qwen35"
+QWEN35_MOE = "qwen35moe"
 
 
-def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig:
+def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig | Qwen3_5MoeTextConfig:
     """The file's transformers config, read as llama.cpp reads a qwen35 file
     (`llama_model::load_hparams`): the layer pattern from `attention.recurrent_layers` (else
     every `full_attention_interval`-th layer full), the rotary dimensions from
     `rope.dimension_count` (a quarter of a head in Qwen3.5), the Gated DeltaNet's sizes from the
     `ssm.*` keys (state size: the key head size; group count: key heads; time step rank: value
-    heads; inner size: value heads x value head size)."""
-    key = f"{QWEN35}.{{}}".format
+    heads; inner size: value heads x value head size); a `qwen35moe` file's experts from its
+    `expert_*` keys."""
+    architecture = _field(reader, "general.architecture")
+    key = f"{architecture}.{{}}".format
     blocks = _size(reader, path, key("block_count"))
     layers = blocks - int(_number(reader, path, key("nextn_predict_layers"), 0))
     heads = _size(reader, path, key("attention.head_count"))
@@ -696,10 +706,23 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig:
     rotary = _size(reader, path, key("rope.dimension_count"), head_dim // 4)
     sections = _field(reader, key("rope.dimension_sections")) or [11, 11, 10]
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return Qwen3_5TextConfig(
+    if architecture == QWEN35_MOE:
+        config_class, mlp = Qwen3_5MoeTextConfig, dict(
+            num_experts=_size(reader, path, key("expert_count")),
+            num_experts_per_tok=_size(reader, path, key("expert_used_count")),
+            moe_intermediate_size=_size(reader, path, key("expert_feed_forward_length")),
+            shared_expert_intermediate_size=_size(reader, path,
+                                                  key("expert_shared_feed_forward_length")))
+        if mlp["num_experts_per_tok"] > mlp["num_experts"]:
+            raise GGUFError(f"{path}: {mlp['num_experts_per_tok']} experts used per token of "
+                            f"{mlp['num_experts']}.")
+    else:
+        config_class = Qwen3_5TextConfig
+        mlp = dict(intermediate_size=_size(reader, path, key("feed_forward_length")))
+    return config_class(
         vocab_size=_token_rows(reader, path),
         hidden_size=_size(reader, path, key("embedding_length")),
-        intermediate_size=_size(reader, path, key("feed_forward_length")),
+        **mlp,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=_size(reader, path, key("attention.head_count_kv"), heads),
@@ -722,9 +745,11 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig:
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
 
 
-def expected_qwen35_tensors(config: Qwen3_5TextConfig) -> dict[str, tuple[tuple[int, ...], set]]:
-    """Every tensor a qwen35 file's layers read: shape (outer size first) and allowed types."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+def expected_qwen35_tensors(config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig,
+                            ) -> dict[str, tuple[tuple[int, ...], set]]:
+    """Every tensor a qwen35 (or qwen35moe) file's layers read: shape (outer size first) and
+    allowed types."""
+    hidden, head_dim = config.hidden_size, config.head_dim
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = config.linear_num_value_heads * config.linear_value_head_dim
     value_heads, kernel = config.linear_num_value_heads, config.linear_conv_kernel_dim
@@ -738,9 +763,23 @@ def expected_qwen35_tensors(config: Qwen3_5TextConfig) -> dict[str, tuple[tuple[
     full = {"attn_q.weight": (2 * q_rows, hidden), "attn_k.weight": (kv_rows, hidden),
             "attn_v.weight": (kv_rows, hidden), "attn_output.weight": (hidden, q_rows)}
     full_small = {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
-    mlp = {"ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden),
-           "ffn_down.weight": (hidden, inter)}
-    norms = {"attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,)}
+    if isinstance(config, Qwen3_5MoeTextConfig):
+        experts, ffn = config.num_experts, config.moe_intermediate_size
+        shared = config.shared_expert_intermediate_size
+        mlp = {"ffn_gate_exps.weight": (experts, ffn, hidden),
+               "ffn_up_exps.weight": (experts, ffn, hidden),
+               "ffn_down_exps.weight": (experts, hidden, ffn),
+               "ffn_gate_shexp.weight": (shared, hidden), "ffn_up_shexp.weight": (shared, hidden),
+               "ffn_down_shexp.weight": (hidden, shared)}
+        mlp_floats = {"ffn_gate_inp.weight": (experts, hidden),
+                      "ffn_gate_inp_shexp.weight": (1, hidden)}
+    else:
+        inter = config.intermediate_size
+        mlp = {"ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden),
+               "ffn_down.weight": (hidden, inter)}
+        mlp_floats = {}
+    norms = {"attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
+             **mlp_floats}
     expected = {"output_norm.weight": ((hidden,), NORM_TYPES)}
     for i, kind in enumerate(config.layer_types):
         blk = f"blk.{i}."
@@ -760,9 +799,13 @@ def fill_qwen35(model: PreTrainedModel, tensors: _Tensors) -> None:
         layer.input_layernorm.weight = _norm(tensors, blk + "attn_norm.weight", hidden, -1.0)
         layer.post_attention_layernorm.weight = _norm(
             tensors, blk + "post_attention_norm.weight", hidden, -1.0)
-        for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
-                           ("down_proj", "ffn_down")):
-            setattr(layer.mlp, part, tensors.linear(f"{blk}{name}.weight"))
+        if isinstance(config, Qwen3_5MoeTextConfig):
+            layer.mlp = shared_expert_moe(layer.mlp.shared_expert, tensors, blk,
+                                          config.num_experts_per_tok)
+        else:
+            for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
+                               ("down_proj", "ffn_down")):
+                setattr(layer.mlp, part, tensors.linear(f"{blk}{name}.weight"))
         if config.layer_types[i] == "full_attention":
             attn = layer.self_attn
             attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, -1.0)
@@ -788,13 +831,43 @@ def fill_qwen35(model: PreTrainedModel, tensors: _Tensors) -> None:
     decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, -1.0)
 
 
+class SharedExpertMoE(torch.nn.Module):
+    """Qwen3.5-MoE's sparse MLP on a file's weights, as transformers' `Qwen3_5MoeSparseMoeBlock`
+    computes it: the routed experts (`experts`: the C kernel's softmax over the router, the top
+    k renormalised, each expert on its quantized blocks) plus the shared expert scaled by
+    sigmoid(x . w_gate), every tensor between two steps bf16 as in the model. It has
+    `experts`, so decoding/recurrent.py runs it a row at a time: each row's bits its own."""
+
+    def __init__(self, experts: MoEMLP, shared_expert: torch.nn.Module,
+                 gate: torch.Tensor) -> None:
+        super().__init__()
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.register_buffer("gate", gate.float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sigmoid((x.float() * self.gate).sum(-1, keepdim=True)).to(x.dtype)
+        return self.experts(x) + scale * self.shared_expert(x)
+
+
+def shared_expert_moe(shared_expert: torch.nn.Module, tensors: _Tensors, blk: str,
+                      used: int) -> SharedExpertMoE:
+    """A qwen35moe layer's MLP: its routed experts, and the model's own shared expert module
+    (`shared_expert`, built on the meta device) given the file's projections."""
+    for part, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                       ("down_proj", "ffn_down_shexp")):
+        setattr(shared_expert, part, tensors.linear(f"{blk}{name}.weight"))
+    gate = tensors.floats(blk + "ffn_gate_inp_shexp.weight").reshape(-1)
+    return SharedExpertMoE(tensors.experts(blk, used, norm=True), shared_expert, gate)
+
+
 def _float32(values: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(values.float().contiguous(), requires_grad=False)
 
 
 # Architectures whose transformers config dresd reads from the metadata itself (cheap, so never
 # taken from the cache), not through transformers' GGUF mapping
-OWN_CONFIGS = {"gemma3": gemma3_config, "qwen35": qwen35_config}
+OWN_CONFIGS = {"gemma3": gemma3_config, "qwen35": qwen35_config, QWEN35_MOE: qwen35_config}
 
 
 # --- rotary embedding scaling, as llama.cpp reads it ---------------------------------------
@@ -896,7 +969,7 @@ class Sizes:
                    config.num_key_value_heads,
                    getattr(config, "head_dim", None)
                    or config.hidden_size // config.num_attention_heads,
-                   config.intermediate_size, experts,
+                   getattr(config, "intermediate_size", None) or 0, experts,
                    int(config.num_experts_per_tok) if experts else 0,
                    int(config.moe_intermediate_size) if experts else 0)
 
@@ -1033,8 +1106,9 @@ def check_model_tensors(reader: GGUFFile, path: Path, architecture: str) -> Size
                             f"metadata needs {wanted} (outer size first).")
 
     present = set(by_name)
-    expected = (expected_tensors(sizes, architecture, present) if architecture != "qwen35" else
-                expected_qwen35_tensors(qwen35_config(reader, path)))
+    expected = (expected_qwen35_tensors(qwen35_config(reader, path))
+                if architecture in QWEN35_ARCHITECTURES else
+                expected_tensors(sizes, architecture, present))
     for name, (wanted, types) in expected.items():
         check(name, wanted, types)
     embedding = "token_embd.weight"
@@ -1105,7 +1179,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
                         "an x86 CPU with AVX2, FMA and F16C (or AVX-512) and a C compiler; "
                         "this machine has not got them (see `dresd --version`).")
-    if architecture in MOE_ARCHITECTURES and experts_kernel() is None:
+    if architecture in (*MOE_ARCHITECTURES, QWEN35_MOE) and experts_kernel() is None:
         raise GGUFError(f"{path}: a mixture-of-experts file runs its experts on dresd's C "
                         "kernel (kernels/experts.c), which could not be built here (or "
                         "DRESD_CPU_EXPERTS=0).")
@@ -1133,7 +1207,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     model.eval()
     if architecture == "gemma3":
         _fill_gemma3(model, tensors)
-    elif architecture == "qwen35":
+    elif architecture in QWEN35_ARCHITECTURES:
         fill_qwen35(model, tensors)
     else:
         _fill_llama(model, tensors, architecture)
