@@ -407,14 +407,33 @@ def llama_cpp_converter() -> Path | None:
     return found[-1] if found else None
 
 
-def convert_with_llama_cpp(folder: Path, path: Path, *options: str) -> Path:
+# Runs the converter with its BPE pre-tokenizer check answering "smollm" whatever the hash: for
+# a class that refuses the test folders' tokenizer (Qwen3.5-MoE's), a vocabulary matter that
+# changes no tensor.
+ANY_PRE_TOKENIZER = """
+import runpy, sys
+converter = sys.argv[1]
+sys.path[:0] = [str(__import__("pathlib").Path(converter).parent)]
+import conversion.base as base
+for value in vars(base).values():
+    if isinstance(value, type) and hasattr(value, "get_vocab_base_pre"):
+        value.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+sys.argv = sys.argv[1:]
+runpy.run_path(converter, run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(folder: Path, path: Path, *options: str,
+                           any_pre_tokenizer: bool = False) -> Path:
     """The folder as a bf16 GGUF file, by llama.cpp's own converter (it imports its own
     gguf-py; nothing is built); `options`: more of its command-line options."""
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, str(llama_cpp_converter()), str(folder), "--outtype",
-                    "bf16", "--outfile", str(path), *options], check=True, capture_output=True)
+    launcher = ["-c", ANY_PRE_TOKENIZER] if any_pre_tokenizer else []
+    subprocess.run([sys.executable, *launcher, str(llama_cpp_converter()), str(folder),
+                    "--outtype", "bf16", "--outfile", str(path), *options], check=True,
+                   capture_output=True)
     return path
 
 

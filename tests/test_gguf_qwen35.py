@@ -4,9 +4,9 @@ decoding/recurrent.py on dresd's quantized kernels; and Qwen3.5-MoE (`qwen35moe`
 layer's MLP routed experts in C plus a gated shared expert. The reference no one here wrote:
 transformers' float32 `Qwen3_5ForCausalLM` (`Qwen3_5MoeForCausalLM`) on the folder the file
 was converted from. The file is `gguf_files.convert_qwen35_like_llama_cpp`'s, checked here to
-be llama.cpp's converter's bit for bit where that converter is on this machine (the MoE file
-was checked so by hand: the converter refuses the default tokenizer's pre-tokenizer for that
-class, a vocabulary matter, so its tensors were compared with that check patched out)."""
+be llama.cpp's converter's bit for bit where that converter is on this machine (for the MoE
+class with the converter's pre-tokenizer check answered: it refuses the test tokenizer's
+there, a vocabulary matter that changes no tensor)."""
 
 from __future__ import annotations
 
@@ -112,17 +112,27 @@ def test_the_value_heads_order_matters(target, model):
 
 @pytest.mark.skipif(llama_cpp_converter() is None,
                     reason="llama.cpp's converter or sentencepiece is not here (benchmarks/peers/)")
-def test_llama_cpps_own_converter_writes_the_same_file(model, path, tmp_path):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_llama_cpps_own_converter_writes_the_same_file(model, moe_model, path, tmp_path, moe):
+    """(The MoE class's converter refuses the test tokenizer's pre-tokenizer: that check is
+    answered for it, `ANY_PRE_TOKENIZER`; no tensor depends on it.)"""
+    if moe:
+        model, path = moe_model, convert_qwen35_like_llama_cpp(moe_model, tmp_path / "ours.gguf")
     folder = save_transformers_folder(model, tmp_path / "qwen35")
-    converted = convert_with_llama_cpp(folder, tmp_path / "converted.gguf", "--no-mtp")
+    converted = convert_with_llama_cpp(folder, tmp_path / "converted.gguf", "--no-mtp",
+                                       any_pre_tokenizer=moe)
     theirs, ours = gguf.GGUFReader(converted), gguf.GGUFReader(path)
+    arch = "qwen35moe" if moe else "qwen35"
     tensors = {t.name: t for t in ours.tensors}
     assert {t.name for t in theirs.tensors} == set(tensors)
     for tensor in theirs.tensors:
         assert np.array_equal(np.asarray(tensor.data), np.asarray(tensors[tensor.name].data)), \
             tensor.name
-    for key in ("qwen35.attention.recurrent_layers", "qwen35.ssm.time_step_rank",
-                "qwen35.rope.dimension_count", "qwen35.ssm.inner_size"):
+    for key in [f"{arch}.{name}" for name in (
+            "attention.recurrent_layers", "ssm.time_step_rank", "rope.dimension_count",
+            "ssm.inner_size", *(["expert_count", "expert_used_count",
+                                 "expert_feed_forward_length",
+                                 "expert_shared_feed_forward_length"] if moe else []))]:
         assert theirs.fields[key].contents() == ours.fields[key].contents(), key
 
 
