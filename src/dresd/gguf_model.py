@@ -81,6 +81,8 @@ HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on 
 MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
 # gemma3: its own config and layers; qwen35: its own too (`qwen35_config`), and its own forward
 QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")  # decoding/recurrent.py's (the Qwen3.5 section)
+# whose experts run on kernels/experts.c (qwen35moe: beside its shared expert)
+EXPERT_KERNEL_ARCHITECTURES = (*MOE_ARCHITECTURES, "qwen35moe")
 ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3", *QWEN35_ARCHITECTURES)
 C_DECODER_RUNS = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3 in the C decoder's Gemma form
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
@@ -382,7 +384,7 @@ def describe(reader: GGUFFile) -> dict:
                    "dresd's per-node recurrent forward (decoding/recurrent.py), its linears in "
                    "dresd's C quantized kernel" if architecture in QWEN35_ARCHITECTURES else
                    "transformers' forward, its linears in dresd's C quantized kernel")
-        if architecture in (*MOE_ARCHITECTURES, QWEN35_MOE):
+        if architecture in EXPERT_KERNEL_ARCHITECTURES:
             forward += ", each layer's experts in C (kernels/experts.c)"
     return {"architecture": architecture,
             "name": _field(reader, "general.name"),
@@ -803,9 +805,7 @@ def fill_qwen35(model: PreTrainedModel, tensors: _Tensors) -> None:
             layer.mlp = shared_expert_moe(layer.mlp.shared_expert, tensors, blk,
                                           config.num_experts_per_tok)
         else:
-            for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
-                               ("down_proj", "ffn_down")):
-                setattr(layer.mlp, part, tensors.linear(f"{blk}{name}.weight"))
+            fill_gated_mlp(layer.mlp, tensors, blk)
         if config.layer_types[i] == "full_attention":
             attn = layer.self_attn
             attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, -1.0)
@@ -850,13 +850,19 @@ class SharedExpertMoE(torch.nn.Module):
         return self.experts(x) + scale * self.shared_expert(x)
 
 
+def fill_gated_mlp(mlp: torch.nn.Module, tensors: _Tensors, blk: str, suffix: str = "") -> None:
+    """A gated MLP's gate, up and down projections from the file's `ffn_gate{suffix}`,
+    `ffn_up{suffix}`, `ffn_down{suffix}` (a shared expert's: suffix "_shexp")."""
+    for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
+                       ("down_proj", "ffn_down")):
+        setattr(mlp, part, tensors.linear(f"{blk}{name}{suffix}.weight"))
+
+
 def shared_expert_moe(shared_expert: torch.nn.Module, tensors: _Tensors, blk: str,
                       used: int) -> SharedExpertMoE:
     """A qwen35moe layer's MLP: its routed experts, and the model's own shared expert module
     (`shared_expert`, built on the meta device) given the file's projections."""
-    for part, name in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
-                       ("down_proj", "ffn_down_shexp")):
-        setattr(shared_expert, part, tensors.linear(f"{blk}{name}.weight"))
+    fill_gated_mlp(shared_expert, tensors, blk, "_shexp")
     gate = tensors.floats(blk + "ffn_gate_inp_shexp.weight").reshape(-1)
     return SharedExpertMoE(tensors.experts(blk, used, norm=True), shared_expert, gate)
 
@@ -1179,7 +1185,7 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
                         "an x86 CPU with AVX2, FMA and F16C (or AVX-512) and a C compiler; "
                         "this machine has not got them (see `dresd --version`).")
-    if architecture in (*MOE_ARCHITECTURES, QWEN35_MOE) and experts_kernel() is None:
+    if architecture in EXPERT_KERNEL_ARCHITECTURES and experts_kernel() is None:
         raise GGUFError(f"{path}: a mixture-of-experts file runs its experts on dresd's C "
                         "kernel (kernels/experts.c), which could not be built here (or "
                         "DRESD_CPU_EXPERTS=0).")
@@ -1304,7 +1310,5 @@ def _fill_gemma3(model: PreTrainedModel, tensors: _Tensors) -> None:
         for part, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
                            ("o_proj", "attn_output")):
             setattr(attn, part, tensors.linear(f"{blk}{name}.weight"))
-        for part, name in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"),
-                           ("down_proj", "ffn_down")):
-            setattr(mlp, part, tensors.linear(f"{blk}{name}.weight"))
+        fill_gated_mlp(mlp, tensors, blk)
     decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, -1.0)

@@ -282,6 +282,15 @@ def bf16_near(generator: torch.Generator, *shape: int, mean: float = 0.0,
     return (torch.randn(*shape, generator=generator) * std + mean).to(torch.bfloat16)
 
 
+def packed_weight(suite: Suite, qtype, n: int, k: int, generator: torch.Generator,
+                  rng: np.random.Generator) -> str:
+    """A random n x k weight's file as the kernels read it: bf16 packed for linear.c (qtype
+    None), else quant.c's layout of random `qtype` blocks."""
+    if qtype is None:
+        return suite.array(cpu_linear.pack(bf16_near(generator, n, k, std=k ** -0.5)))
+    return suite.array(quant.pack(qtype, raw_tensor(qtype, n, k, rng), n, k).numpy())
+
+
 def rotary_table(positions: range, head_dim: int, base: float) -> tuple[torch.Tensor, ...]:
     """cos and sin, rows x head_dim bf16, as transformers' Llama rotary embedding makes them."""
     inverse = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -303,13 +312,6 @@ def decoder_cases(suite: Suite) -> None:
     rows, start = 5, 6
     width = (heads + 2 * kv_heads) * head_dim
     shapes = [(width, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]
-
-    def weights(qtype) -> list[str]:
-        if qtype is None:
-            return [suite.array(cpu_linear.pack(bf16_near(generator, n, k, std=k ** -0.5)))
-                    for n, k in shapes]
-        return [suite.array(quant.pack(qtype, raw_tensor(qtype, n, k, rng), n, k).numpy())
-                for n, k in shapes]
 
     cos, sin = (suite.array(t) for t in rotary_table(range(start, start + rows), head_dim,
                                                      10000.0))
@@ -334,7 +336,8 @@ def decoder_cases(suite: Suite) -> None:
             extra = ([suite.array(bf16_near(generator, head_dim, std=0.1)) for _ in range(2)]
                      + [suite.array(bf16_near(generator, hidden, std=0.1)) for _ in range(2)]
                      if gemma else ["-"] * 4)
-            per_layer += [*norms, *weights(qtype), *extra, int(layer == 0 and gemma)]
+            weights = [packed_weight(suite, qtype, n, k, generator, rng) for n, k in shapes]
+            per_layer += [*norms, *weights, *extra, int(layer == 0 and gemma)]
         windows = [local_cos, local_sin] if window_start >= 0 else ["-", "-"]
         layout = -1 if qtype is None else quant.LAYOUTS[qtype].number
         final_norm = suite.array(bf16_near(generator, hidden, mean=0.0 if gemma else 1.0,
@@ -399,12 +402,8 @@ def experts_cases(suite: Suite) -> None:
     alone_inputs = [suite.array(x[r:r + 1]) for r in range(rows)]
     batch_input = suite.array(x)
     for qtype in (None, quant.Q.Q4_K):
-        weights = []
-        for _ in range(experts):
-            for n, k in ((2 * ffn, d), (d, ffn)):
-                weights.append(suite.array(
-                    cpu_linear.pack(bf16_near(generator, n, k, std=k ** -0.5)) if qtype is None
-                    else quant.pack(qtype, raw_tensor(qtype, n, k, rng), n, k).numpy()))
+        weights = [packed_weight(suite, qtype, n, k, generator, rng)
+                   for _ in range(experts) for n, k in ((2 * ffn, d), (d, ffn))]
         layout = -1 if qtype is None else quant.LAYOUTS[qtype].number
         head = ("moe", experts, used, ffn, 1, layout)
         alone = [suite.job(*head, 1, d, 1, router, row, *weights) for row in alone_inputs]
