@@ -367,7 +367,7 @@ class IncrementalText:
         return self.end is not None
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.keep.intersection(ids):
+        if not self.keep or self.keep.isdisjoint(ids):  # (most requests keep nothing)
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         # the runs between kept tokens decoded as always, each kept token as its own text
         pieces, run = [], []
