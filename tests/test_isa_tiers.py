@@ -24,9 +24,11 @@ needs_other_tiers = pytest.mark.skipif(not OTHERS, reason="this CPU runs one ker
 SUITE_TIERS = [name for name in OTHERS if not (name == "avx2vnni" and "avx2" in OTHERS)]
 
 # The exactness tests each tier runs: the kernels against their references, rows alone equal
-# to rows in a batch, every method equal to `ar` (bf16 and GGUF), batched equal to alone.
+# to rows in a batch, the quantized outputs recorded before a layout change, every method
+# equal to `ar` (bf16 and GGUF), batched equal to alone.
 EXACTNESS = ["tests/test_kernel_linear.py", "tests/test_kernel_decoder.py",
-             "tests/test_kernel_attention.py", "tests/test_gguf.py", "-k",
+             "tests/test_kernel_attention.py", "tests/test_quant_layouts.py",
+             "tests/test_gguf.py", "-k",
              "not gemma3 and not cli and not damaged and not packing and not unpacked "
              "and not qwen2"]  # llama-q4_1 against transformers covers the decoder (CI time)
 

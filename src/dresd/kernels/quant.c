@@ -10,8 +10,9 @@
  *   - a type with an offset (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q as stored + 128): c = -offset d;
  *   - a type with a minimum (Q4_1, Q5_1, and the K-quants' sub-blocks): c = m;
  *   - Q6_K, whose scales change every 16 k: d and c per half block, each half summed apart.
- * q is stored unsigned (0..15 in nibbles, or 0..255 in bytes), so one `vpdpbusd` multiplies
- * four weights by four activations and adds them exactly into a 32-bit integer:
+ * q is stored unsigned (0..15 in nibbles; 0..31 or 0..63 in nibbles and planes of high bits;
+ * 0..255 in bytes), so one `vpdpbusd` multiplies four weights by four activations and adds them
+ * exactly into a 32-bit integer:
  *   dot[m, n, b] = sum_k q[n, k] xq[m, k]      (exact: |dot| < 2^24)
  *
  * The promise, as cpu_linear.c's: y[m, n] depends only on row m of x and on W; not on how many
@@ -35,6 +36,9 @@
  *   quants  nibbles: 4 x 64 bytes, register r, lane n, byte j: low nibble q[n][32b + 8r + j],
  *                    high nibble q[n][32b + 8r + 4 + j];
  *           bytes:   8 x 64 bytes, register r, lane n, byte j: q[n][32b + 4r + j];
+ *           five bits (Q5_0, Q5_1, Q5_K): the nibbles' 4 x 64 bytes of q & 15, then 64 bytes of
+ *                    q >> 4, lane n, byte j, bit t: q[n][32b + 4t + j] >> 4 (20 bytes a row a
+ *                    block, as the file's qs and qh; bytes would take 32);
  *           six bits (Q6_K): the nibbles' 4 x 64 bytes of q & 15, then 2 x 64 bytes of q >> 4,
  *                    register P, lane n, byte j, bits 2t, 2t + 1: q[n][32b + 4(4P + t) + j] >> 4;
  *   d       16 scales (float16, as the file keeps them);
@@ -69,10 +73,13 @@ typedef struct {
     int offset;
     int halves;      /* 1: d per 16 k (two sets per block, each half's dot apart) */
     int kquant;      /* 1: superblock headers and integer scales (see the header) */
-    int six;         /* 1: nibbles and a plane of 2-bit high parts (Q6_K) */
+    int six;         /* 1: nibbles and two planes of 2-bit high parts (Q6_K) */
+    int five;        /* 1: nibbles and a plane of each weight's bit 4 (Q5_0, Q5_1, Q5_K) */
 } QLayout;
 
-static inline int64_t quant_bytes(QLayout l) { return l.six ? 384 : l.nibbles ? 256 : 512; }
+static inline int64_t quant_bytes(QLayout l) {
+    return l.six ? 384 : l.five ? 320 : l.nibbles ? 256 : 512;
+}
 static inline int64_t scale_bytes(QLayout l) {
     return l.kquant ? 32 : (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
 }
@@ -167,6 +174,14 @@ static inline __attribute__((always_inline)) void load_panel(
                 }
             }
         }
+        if (l.five) { /* bit 4 of register t from the plane's bit t, moved within its byte */
+            const vi bit4 = vi_set1_8(0x10);
+            vi high = vi_load(block + 256 + 4 * lane0);
+            for (int t = 0; t < 8; t++) {
+                vi moved = t <= 4 ? vi_slli16(high, 4 - t) : vi_srli16(high, t - 4);
+                w[t] = vi_or(w[t], vi_and(moved, bit4));
+            }
+        }
     } else {
         for (int r = 0; r < 8; r++) w[r] = vi_load(block + 64 * r + 4 * lane0);
     }
@@ -229,8 +244,8 @@ static inline __attribute__((always_inline)) void qtile(
                 /* two independent chains: k < 16 and k >= 16 (exact integers) */
                 vi low = vi_zero(), high = vi_zero();
 #ifdef VDOT_NIBBLES4
-                /* AVX2 without VNNI: four nibble dots summed in 16 bits (vec.h), the same
-                 * integers as below */
+                /* AVX2 without VNNI: four dots of nibbles or five bits summed in 16 bits
+                 * (vec.h; not six bits, whose sum could overflow), the same integers as below */
                 if ((l.nibbles && !l.six) || full_bytes) {
                     vi xs[8];
                     for (int r = 0; r < 8; r++) xs[r] = vi_set1_32(x4[r]);
@@ -290,14 +305,22 @@ static inline __attribute__((always_inline)) void qtile(
 
 /* The layouts quant.py writes, by number (the same table there). */
 static const QLayout LAYOUTS[] = {
-    {1, 1, 0, 8},    /* 0: Q4_0  nibbles, float16 d, q - 8 */
-    {1, 1, 1, 0},    /* 1: Q4_1  nibbles, float16 d and m */
-    {0, 1, 0, 128},  /* 2: Q8_0  bytes (q + 128), float16 d */
-    {0, 1, 0, 16},   /* 3: Q5_0  bytes (0..31), float16 d, q - 16 */
-    {0, 1, 1, 0},    /* 4: Q5_1  bytes, float16 d and m */
-    {1, 1, 1, 0, 0, 1},  /* 5: Q4_K  nibbles, dsuper and dmin, six-bit scales, minimums */
-    {0, 1, 1, 0, 0, 1},  /* 6: Q5_K  bytes, the same scales */
-    {1, 1, 0, 32, 1, 1, 1}, /* 7: Q6_K  six bits (0..63), dsuper, int8 scales per 16, q - 32 */
+    /* 0: Q4_0  nibbles, float16 d, q - 8 */
+    {.nibbles = 1, .half = 1, .offset = 8},
+    /* 1: Q4_1  nibbles, float16 d and m */
+    {.nibbles = 1, .half = 1, .has_min = 1},
+    /* 2: Q8_0  bytes (q + 128), float16 d */
+    {.half = 1, .offset = 128},
+    /* 3: Q5_0  five bits (0..31), float16 d, q - 16 */
+    {.nibbles = 1, .five = 1, .half = 1, .offset = 16},
+    /* 4: Q5_1  five bits, float16 d and m */
+    {.nibbles = 1, .five = 1, .half = 1, .has_min = 1},
+    /* 5: Q4_K  nibbles, dsuper and dmin, six-bit scales, minimums */
+    {.nibbles = 1, .half = 1, .has_min = 1, .kquant = 1},
+    /* 6: Q5_K  five bits, the same scales */
+    {.nibbles = 1, .five = 1, .half = 1, .has_min = 1, .kquant = 1},
+    /* 7: Q6_K  six bits (0..63), dsuper, int8 scales per 16, q - 32 */
+    {.nibbles = 1, .six = 1, .half = 1, .offset = 32, .halves = 1, .kquant = 1},
 };
 
 /* Every (layout, rows) pair its own function, compiled apart: inlined together into one
@@ -319,8 +342,10 @@ typedef void (*QTileFn)(const int8_t *, const float *, const int32_t *, int, con
 static const QTileFn QTILES[8][QMAX_TILE] = {QTILE_ROW(0), QTILE_ROW(1), QTILE_ROW(2), QTILE_ROW(3),
                                      QTILE_ROW(4), QTILE_ROW(5), QTILE_ROW(6), QTILE_ROW(7)};
 
-/* Bytes of one group of `layout` over k inputs. */
-static int64_t dresd_quant_group_bytes(int layout, int k) {
+/* Bytes of one group of `layout` over k inputs (exported: quant.py's Layout.group_bytes must
+ * agree, since `dresd_quant_pack` fills a buffer of that size, and benchmarks/micro/quant_ab.py
+ * sizes each build's own layout by it). */
+int64_t dresd_quant_group_bytes(int layout, int k) {
     QLayout l = LAYOUTS[layout];
     return (int64_t)(k / QBLOCK) * QPARTS * block_bytes(l)
            + (int64_t)(k / QBLOCK / SUPER) * QPARTS * header_bytes(l);
@@ -482,6 +507,12 @@ static void place_block(QLayout l, const DecodedRow *r, int b, int lane, uint8_t
                         bits |= ((q[4 * (4 * plane + t) + j] >> 4) & 3) << (2 * t);
                     block[256 + 64 * plane + 4 * lane + j] = bits;
                 }
+        if (l.five)
+            for (int j = 0; j < 4; j++) {
+                uint8_t bits = 0;
+                for (int t = 0; t < 8; t++) bits |= ((q[4 * t + j] >> 4) & 1) << t;
+                block[256 + 4 * lane + j] = bits;
+            }
     } else {
         for (int reg = 0; reg < 8; reg++) memcpy(block + 64 * reg + 4 * lane, q + 4 * reg, 4);
     }

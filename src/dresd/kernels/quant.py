@@ -6,7 +6,8 @@ block. `unpack` reads a tensor's blocks into the form every supported type share
     w[n, k] = d[n, b] * q[n, k] + c[n, b]        (b = k // 32, q unsigned)
 
 and `pack` lays that out once for the kernel (`quant.c`'s header), panel by panel. The weights
-stay quantized: a Q4_1 layer keeps its 20 bytes per 32 weights, a Q8_0 layer its 34.
+stay quantized: a Q4_1 layer keeps its 20 bytes per 32 weights, a Q5_0 layer its 22 (nibbles
+and a plane of fifth bits), a Q8_0 layer its 34.
 
 `quant.c` multiplies by quantizing each row of activations to 8 bits per block of 32 (as
 llama.cpp does) and summing in a fixed order, so a row's output never depends on the rows
@@ -49,10 +50,11 @@ class Layout:
     offset: int = 0
     halves: bool = False  # d per 16 k (Q6_K), else per 32
     kquant: bool = False  # superblock headers and integer scales (K-quants)
-    six: bool = False  # nibbles and a plane of 2-bit high parts (Q6_K)
+    six: bool = False  # nibbles and two planes of 2-bit high parts (Q6_K)
+    five: bool = False  # nibbles and a plane of each weight's bit 4 (Q5_0, Q5_1, Q5_K)
 
     def quant_bytes(self) -> int:
-        return 384 if self.six else 256 if self.nibbles else 512
+        return 384 if self.six else 320 if self.five else 256 if self.nibbles else 512
 
     def block_bytes(self) -> int:
         """One panel's bytes of one block of 32 k: its quants and scales."""
@@ -73,10 +75,10 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q4_0: Layout(0, nibbles=True, half=True, has_min=False, offset=8),
     Q.Q4_1: Layout(1, nibbles=True, half=True, has_min=True),
     Q.Q8_0: Layout(2, nibbles=False, half=True, has_min=False, offset=128),
-    Q.Q5_0: Layout(3, nibbles=False, half=True, has_min=False, offset=16),
-    Q.Q5_1: Layout(4, nibbles=False, half=True, has_min=True),
+    Q.Q5_0: Layout(3, nibbles=True, half=True, has_min=False, offset=16, five=True),
+    Q.Q5_1: Layout(4, nibbles=True, half=True, has_min=True, five=True),
     Q.Q4_K: Layout(5, nibbles=True, half=True, has_min=True, kquant=True),
-    Q.Q5_K: Layout(6, nibbles=False, half=True, has_min=True, kquant=True),
+    Q.Q5_K: Layout(6, nibbles=True, half=True, has_min=True, kquant=True, five=True),
     Q.Q6_K: Layout(7, nibbles=True, half=True, has_min=False, offset=32, halves=True,
                    kquant=True, six=True),
 }
@@ -99,6 +101,8 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_quant_linear.restype = i32
     library.dresd_quant_pack.argtypes = [i32, pointer, i64, i32, i32, pointer, i32]
     library.dresd_quant_pack.restype = i32
+    library.dresd_quant_group_bytes.argtypes = [i32, i32]
+    library.dresd_quant_group_bytes.restype = i64
     return library
 
 
@@ -246,6 +250,11 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
             plane = sum(high[..., t, :] << (2 * t) for t in range(4)).astype(np.uint8)
             quants = np.concatenate(
                 [quants, plane.transpose(0, 2, 3, 1, 4).reshape(panels, blocks, 128)], axis=2)
+        if layout.five:  # lane n, byte j: bit t = q[4t + j] >> 4
+            high = (q >> 4).reshape(panels, LANES, blocks, 8, 4)  # [.., t, j]
+            plane = sum(high[..., t, :] << t for t in range(8)).astype(np.uint8)
+            quants = np.concatenate(
+                [quants, plane.transpose(0, 2, 1, 3).reshape(panels, blocks, 64)], axis=2)
     else:
         quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         quants = quants.reshape(panels, blocks, 512)

@@ -263,9 +263,10 @@ static inline vi vi_dot4(vi acc, vi w, vi x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
                                                    _mm256_set1_epi16(1)));
 }
-/* acc + vi_dot4(w[r], x[r]) for r = 0..3, every byte of w at most 15: the four vpmaddubsw
- * summed in 16 bits (|sum| <= 4 x 2 x 15 x 128 < 2^15: exact), then widened once. The same
- * integer as four vi_dot4, in 8 instructions instead of 12. */
+/* acc + vi_dot4(w[r], x[r]) for r = 0..3, every byte of w at most 31 (nibbles, or quant.c's
+ * five bits): the four vpmaddubsw summed in 16 bits (|sum| <= 4 x 2 x 31 x 128 < 2^15: exact;
+ * Q6_K's 63 could overflow), then widened once. The same integer as four vi_dot4, in 8
+ * instructions instead of 12. */
 #define VDOT_NIBBLES4 1
 static inline vi vi_dot4_nibbles4(vi acc, const vi w[4], const vi x[4]) {
     __m256i sum = _mm256_add_epi16(
