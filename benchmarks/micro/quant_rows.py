@@ -30,7 +30,8 @@ from dresd.kernels import quant
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # Where each type keeps its float16 scales in a block (bytes): kept small and finite.
-SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (-2,)}
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+          Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (-2,)}
 
 
 def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
