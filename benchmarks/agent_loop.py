@@ -46,7 +46,7 @@ from pathlib import Path
 import openai
 
 from dresd.host import cpu_model
-from dresd.models import ensure_default_gguf
+from dresd.models.target import ensure_default_gguf
 from dresd.serve.local import LocalServer, free_port
 
 TABLES = ["employees", "departments", "orders"]

@@ -24,7 +24,7 @@ from dresd.decoding.batch import BatchEngine, Request
 from dresd.decoding.forward import HFForward
 from dresd.drafters import NoDrafter
 from dresd.host import cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 
 def tokens_per_second(model, forward: str, tokens: int) -> tuple[float, list[int]]:

@@ -49,8 +49,8 @@ from dresd.decoding.forward import Segment
 from dresd.decoding.verify import classify_divergence, greedy_accept
 from dresd.device import clock, device_name, resolve_device
 from dresd.drafters import HybridDrafter, NoDrafter, PromptLookupDrafter
-from dresd.fastpath import dtype_name
 from dresd.metrics import summarize
+from dresd.models.fastpath import dtype_name
 
 SHAPES = {  # the models' own config.json values that decide the cost
     "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -29,7 +29,7 @@ import torch
 from dresd.datasets import data_dir
 from dresd.drafters.prediction import prediction_tokens, with_prediction
 from dresd.host import cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

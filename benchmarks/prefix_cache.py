@@ -58,7 +58,7 @@ from transformers import AutoTokenizer
 
 from dresd.datasets import data_dir
 from dresd.host import cpu_model
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 from dresd.serve.local import LocalServer
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -118,7 +118,7 @@ def main() -> None:
     from dresd.decoding.forward import make_forward
     from dresd.drafters import NoDrafter
     from dresd.kernels.experts import MoEDecoder
-    from dresd.models import load_target
+    from dresd.models.target import load_target
 
     torch.set_num_threads(1)
     started = time.perf_counter()

@@ -31,7 +31,7 @@ from pydantic import TypeAdapter
 
 from dresd.decoding.constraint import Constraint, Grammar
 from dresd.host import cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dresd.models import Target, load_target
+from dresd.models.target import Target, load_target
 from dresd.runner import AR, GenerationSettings, MethodRunner
 
 TINY_VOCAB = 512

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 Q = GGMLQuantizationType
 

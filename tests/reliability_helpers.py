@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import dresd
 from dresd.cli.main import main
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 TINY_CONTEXT = 256  # the tiny model's context: prompts reach it cheaply
 SRC = Path(dresd.__file__).resolve().parents[1]  # this checkout's sources, for child processes

@@ -19,7 +19,7 @@ from dresd.datastore.format import DatastoreError, read_manifest, verify_store
 from dresd.datastore.sparse import FILES, SparseIndex
 from dresd.datastore.sparse_store import build_sparse_datastore
 from dresd.drafters import RestDrafter
-from dresd.models import Target
+from dresd.models.target import Target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

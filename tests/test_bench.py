@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from dresd.bench.concurrency import run_concurrency
 from dresd.cli.main import main
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 from dresd.runner import GenerationSettings, MethodRunner
 
 METHODS = ["ar", "none", "pld"]

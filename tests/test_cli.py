@@ -14,7 +14,7 @@ from dresd.corpus import CorpusError
 from dresd.datastore.format import DatastoreError
 from dresd.device import DeviceError
 from dresd.errors import DresdError, MissingPackageError, UserError
-from dresd.models import ModelError
+from dresd.models.target import ModelError
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:

@@ -22,7 +22,7 @@ from dresd.datastore.inspect import describe
 from dresd.drafters import DenseDrafter, DraftContext
 from dresd.drafters.dense import agreeing_prefixes, unpadded
 from dresd.kernels import drafting
-from dresd.models import Target
+from dresd.models.target import Target
 from dresd.regenerate import RegenerateConfig, regenerate
 from dresd.runner import GenerationSettings, MethodRunner
 
@@ -212,7 +212,7 @@ def test_mismatched_model_or_tokenizer_is_refused(datastore, default_target):
         MethodRunner(other, "dresd", GenerationSettings(), datastore=str(datastore))
     from transformers import AutoTokenizer
 
-    from dresd.models import default_model_dir
+    from dresd.models.target import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     tokenizer.add_tokens(["<an_extra_token>"])

@@ -208,7 +208,7 @@ def test_speculative_sampling_matches_model_distribution_on_cuda():
 @CUDA
 def test_calibrate_on_cuda_keys_the_curve_by_gpu(tmp_path, monkeypatch):
     from dresd.calibrate import curve_path, load_or_measure
-    from dresd.models import Target
+    from dresd.models.target import Target
 
     monkeypatch.setenv("DRESD_CACHE", str(tmp_path))
     target = Target(model=tiny_on("cuda"), tokenizer=None, name="tiny")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dresd.decoding.verify import classify_divergence, near_tie_tolerance
-from dresd.fastpath import PackedLinear, prepack_linears, resolve_dtype
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cpu_flags, cpu_model
-from dresd.models import load_target
+from dresd.models.fastpath import PackedLinear, prepack_linears, resolve_dtype
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 from tests.conftest import tiny_model
@@ -163,8 +163,8 @@ def test_invariant_attention_is_attention(kernel, monkeypatch):
     where not) are softmax(q k^T / sqrt(d) + mask) v with grouped heads (checked against the
     formula in float32, to bf16 rounding): with a tree mask, causally without one (the last
     rows of a longer key sequence), and for a single decode row."""
-    from dresd.fastpath import invariant_attention
     from dresd.kernels import attention as cpu_attention
+    from dresd.models.fastpath import invariant_attention
 
     if kernel and cpu_attention.kernel() is None:
         pytest.skip("no C compiler")

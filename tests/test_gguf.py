@@ -27,9 +27,9 @@ from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, make_drafter
 from dresd.errors import DresdError
-from dresd.gguf_model import describe, open_gguf
 from dresd.kernels import quant
-from dresd.models import load_target
+from dresd.models.gguf_file import describe, open_gguf
+from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
                                 reason="the quantized kernel needs AVX-512 VNNI")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from gguf_files import write_tiny_gguf
 from transformers import AutoTokenizer
 
-from dresd.gguf_model import load_gguf
-from dresd.models import ensure_default_model
+from dresd.models.gguf import load_gguf
+from dresd.models.target import ensure_default_model
 from dresd.prompts import encode_prompt
 
 

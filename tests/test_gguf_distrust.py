@@ -251,7 +251,7 @@ def load_and_run(paths: list[str]) -> None:
 
     from dresd.decoding import speculative_generate
     from dresd.drafters import NoDrafter
-    from dresd.models import load_target
+    from dresd.models.target import load_target
 
     for path in paths:
         record = {"path": path}

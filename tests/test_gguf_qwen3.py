@@ -24,9 +24,9 @@ from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter
-from dresd.gguf_model import describe, open_gguf
 from dresd.kernels import quant
-from dresd.models import load_target
+from dresd.models.gguf_file import describe, open_gguf
+from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
                                 reason="the C kernels need AVX-512 bf16 and VNNI")

@@ -36,9 +36,10 @@ from dresd.decoding.batch import Request
 from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import TILED_VALUE_HEADS, GatedDeltaNetForward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
-from dresd.gguf_model import SharedExpertMoE, describe, open_gguf
 from dresd.kernels import quant
-from dresd.models import load_target
+from dresd.models.gguf import SharedExpertMoE
+from dresd.models.gguf_file import describe, open_gguf
+from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
                                 reason="the C kernels need a kernel tier (AVX2 or AVX-512)")

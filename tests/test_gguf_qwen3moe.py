@@ -30,10 +30,10 @@ from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter
-from dresd.gguf_model import GGUFError, describe, open_gguf
 from dresd.kernels import quant
 from dresd.kernels.experts import MoEDecoder, MoEMLP
-from dresd.models import load_target
+from dresd.models.gguf_file import GGUFError, describe, open_gguf
+from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
                                 reason="the C kernels need AVX2, FMA and F16C at least")

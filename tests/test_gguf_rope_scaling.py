@@ -26,13 +26,13 @@ from gguf_files import (
 )
 from test_batch import run_batched
 
-from dresd import gguf_model
 from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter
 from dresd.kernels import quant
-from dresd.models import load_target
+from dresd.models import gguf as gguf_model
+from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
                                 reason="the C kernels need AVX-512 bf16 and VNNI")

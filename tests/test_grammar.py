@@ -21,7 +21,7 @@ from dresd.decoding import SamplingConfig
 from dresd.decoding.batch import Request
 from dresd.decoding.constraint import Grammar, GrammarError, ThinkTokens
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["colour", "count", "ok"],

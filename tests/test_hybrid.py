@@ -219,7 +219,7 @@ def test_hybrid_sampling_matches_model_distribution(small_vocab_model):  # noqa:
 
 def test_calibrate_measures_once_and_caches(tmp_path, monkeypatch, tiny):
     from dresd.calibrate import cached_step_seconds, curve_path, load_or_measure, random_tree
-    from dresd.models import Target
+    from dresd.models.target import Target
 
     rng = np.random.default_rng(0)
     for size in (1, 2, 5, 17):

@@ -8,7 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 from dresd.serve import protocol
 
 SAMPLES = ["Drachen 🐉 fliegen über Zürich, 東京 too.", "def f(a, b):\n    return a + b\n",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dresd import fastpath
 from dresd.kernels import attention as cpu_attention
+from dresd.models import fastpath
 
 needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None,
                                   reason="no C compiler: the float64 attention stands in")

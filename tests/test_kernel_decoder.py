@@ -18,9 +18,9 @@ from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment
 from dresd.decoding.tree import DraftTree
 from dresd.drafters import NoDrafter, PromptLookupDrafter
-from dresd.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
 from dresd.kernels import decoder as cpu_decoder
 from dresd.kernels.linear import invariant_linears
+from dresd.models.fastpath import INVARIANT_ATTENTION, INVARIANT_MAX_ROWS
 
 VOCAB = 300
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dresd.fastpath import PackedLinear
 from dresd.kernels import linear as cpu_linear
+from dresd.models.fastpath import PackedLinear
 
 needs_kernel = pytest.mark.skipif(cpu_linear.kernel() is None,
                                   reason="no kernel tier or no C compiler: oneDNN stands in")
@@ -146,8 +146,8 @@ def test_model_rows_do_not_depend_on_their_batch(name):
     attention kernel): a 6-token chain in one forward, beside another sequence, gives every row
     the logits its one-token decode step gives, bit for bit."""
     from dresd.decoding.forward import LlamaForward, Segment
-    from dresd.fastpath import use_invariant_attention
-    from dresd.models import load_target
+    from dresd.models.fastpath import use_invariant_attention
+    from dresd.models.target import load_target
     from tests.conftest import tiny_model
 
     if name == "tiny":

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 from dresd.serve.local import LocalServer
 
 MAX_GEN_TOKS = 16

@@ -26,8 +26,8 @@ import torch
 from dresd.corpus import CorpusSpec
 from dresd.datasets import load_prompts
 from dresd.datastore.dense import DenseBuildConfig, build_dense
-from dresd.fastpath import resolve_dtype
-from dresd.models import load_target
+from dresd.models.fastpath import resolve_dtype
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 

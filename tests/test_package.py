@@ -17,7 +17,7 @@ import pytest
 
 from dresd.host import cache_dir, cpu_flags
 from dresd.kernels import attention, decoder, linear
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import GatedDeltaNetForward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
 from dresd.errors import DresdError
-from dresd.models import default_model_dir, load_target
+from dresd.models.target import default_model_dir, load_target
 
 VOCAB = 256
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

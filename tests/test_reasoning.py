@@ -148,7 +148,7 @@ def test_a_chats_grammar_holds_the_answer_after_a_reasoning_models_think_block()
     from transformers import AutoTokenizer
 
     from dresd.decoding.constraint import AfterThinking, Constraint
-    from dresd.models import ensure_default_model
+    from dresd.models.target import ensure_default_model
     from dresd.serve import protocol
     from dresd.serve.app import request_grammar
 

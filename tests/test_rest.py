@@ -17,7 +17,7 @@ from dresd.decoding import speculative_generate
 from dresd.drafters import DraftContext, RestDrafter, make_drafter
 from dresd.drafters.prefixes import prefix_tree_drafts
 from dresd.kernels import drafting
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 
 torch.set_num_threads(1)
 

@@ -22,7 +22,7 @@ from dresd.datastore.inspect import describe, format_description
 from dresd.datastore.sparse import build_sparse
 from dresd.datastore.sparse_store import build_sparse_datastore
 from dresd.drafters import RestDrafter
-from dresd.models import Target, default_model_dir
+from dresd.models.target import Target, default_model_dir
 from dresd.runner import GenerationSettings, MethodRunner
 
 torch.set_num_threads(1)

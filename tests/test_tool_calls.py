@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 from dresd.serve.engine import RequestError
 from dresd.serve.tool_calls import (
     TOOL_FORMATS,

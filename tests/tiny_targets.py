@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from dresd.models import Target, default_model_dir
+from dresd.models.target import Target, default_model_dir
 
 WORDS = ["sea", "prime", "number", "python", "list", "poem", "wave", "code", "river", "sun"]
 

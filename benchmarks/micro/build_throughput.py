@@ -36,7 +36,7 @@ from dresd.datasets import data_dir
 from dresd.datastore import dense
 from dresd.datastore.dense import DenseBuildConfig, build_dense, hidden_states, plan_chunks
 from dresd.datastore.inspect import describe
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 
 @torch.inference_mode()

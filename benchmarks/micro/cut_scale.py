@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dresd.calibrate import curve_path, load_or_measure
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 
 def main() -> None:

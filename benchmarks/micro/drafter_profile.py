@@ -29,7 +29,7 @@ import torch
 from dresd.bench.methods import parse_methods
 from dresd.datasets import load_prompts
 from dresd.host import cpu_model, native_bf16_flags
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

@@ -28,7 +28,7 @@ import torch
 from dresd.bench.methods import parse_methods
 from dresd.datasets import load_prompts
 from dresd.decoding.drafter import DraftContext
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

@@ -34,7 +34,7 @@ from drafting_ab import record_contexts
 
 from dresd.bench.methods import parse_methods
 from dresd.datasets import load_prompts
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

@@ -26,9 +26,9 @@ from dresd.corpus import CorpusSpec
 from dresd.datasets import data_dir
 from dresd.datastore.dense import DenseBuildConfig, build_dense
 from dresd.datastore.format import read_manifest
-from dresd.fastpath import dtype_name
 from dresd.host import native_bf16_flags
-from dresd.models import load_target
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import load_target
 from dresd.regenerate import RegenerateConfig, regenerate
 
 RESULTS = Path(__file__).parents[1] / "results"

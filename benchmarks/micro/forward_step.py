@@ -35,10 +35,10 @@ from transformers import DynamicCache
 from dresd.calibrate import random_tree, timed_verify
 from dresd.datasets import type_hint_prompts
 from dresd.decoding.generate import target_forward
-from dresd.fastpath import INVARIANT_ATTENTION, PackedLinear, dtype_name
 from dresd.host import native_bf16_flags
 from dresd.metrics import summarize
-from dresd.models import load_target
+from dresd.models.fastpath import INVARIANT_ATTENTION, PackedLinear, dtype_name
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 

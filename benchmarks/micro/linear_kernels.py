@@ -39,16 +39,16 @@ import torch
 
 from dresd.decoding.forward import LlamaForward, Segment, _rotate_half
 from dresd.decoding.segments import split_outputs
-from dresd.fastpath import (
+from dresd.host import cpu_flags, cpu_model
+from dresd.kernels import attention as cpu_attention
+from dresd.kernels import linear as cpu_linear
+from dresd.models.fastpath import (
     INVARIANT_MAX_ROWS,
     PackedLinear,
     prepack_linears,
     use_invariant_attention,
 )
-from dresd.host import cpu_flags, cpu_model
-from dresd.kernels import attention as cpu_attention
-from dresd.kernels import linear as cpu_linear
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 RESULTS = Path(__file__).parents[1] / "results"
 SHAPES = {"gate/up 576->1536": (576, 1536), "down 1536->576": (1536, 576),

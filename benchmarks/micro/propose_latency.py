@@ -111,7 +111,7 @@ def decode_step_ms(context_len: int = 256, steps: int = 50) -> float:
     """Median time of one-token decode forwards of the default model on a KV cache."""
     from transformers import DynamicCache
 
-    from dresd.models import load_target
+    from dresd.models.target import load_target
 
     model = load_target("default").model
     cache = DynamicCache(config=model.config)

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3
 
 from dresd.calibrate import measure_verify_cost
 from dresd.host import native_bf16_flags
-from dresd.models import default_model_dir, load_target
+from dresd.models.target import default_model_dir, load_target
 
 SIZES = (1, 2, 4, 8, 16)
 SHAPE = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,

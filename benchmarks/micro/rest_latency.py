@@ -63,7 +63,7 @@ def tokenize_sources(max_tokens: int, cache: Path) -> tuple[list[np.ndarray], li
         return split("corpus"), split("held_out")
     from transformers import AutoTokenizer
 
-    from dresd.models import ensure_default_model
+    from dresd.models.target import ensure_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
     corpus, held_out, total = [], [], 0

@@ -28,7 +28,7 @@ from dresd.datasets import load_prompts
 from dresd.decoding.drafter import DraftContext
 from dresd.drafters.hybrid import share_bucket
 from dresd.drafters.suffix import SuffixDrafter
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 from dresd.prompts import encode_prompt
 
 MATCHES = ("0-2", "3-5", "6-10", "11+")  # `match_bucket`'s buckets

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from dresd.datasets import data_dir, read_jsonl
 from dresd.decoding.drafter import DraftContext
 from dresd.drafters.suffix import SuffixDrafter, SuffixTrie
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 
 OUT = Path(__file__).parents[1] / "results" / "suffix_memory.json"
 

@@ -29,7 +29,7 @@ import torch
 from dresd.decoding.batch import BatchEngine, Request
 from dresd.drafters import NoDrafter
 from dresd.host import cpu_flags, cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 TOKENS = 128
 REPETITIONS = 5

@@ -27,7 +27,7 @@ import torch
 
 from dresd.decoding.forward import Segment, make_forward
 from dresd.host import cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 # A position whose two best next tokens are this close (in llama.cpp's log-probabilities) is a
 # near-tie: rounding differences between any two engines may pick either.

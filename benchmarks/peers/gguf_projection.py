@@ -27,7 +27,7 @@ import torch
 
 from dresd.calibrate import load_or_measure
 from dresd.host import cpu_model
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 
 def cost_at(curve: dict[int, float], tokens: float) -> float:

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from dresd.datasets import load_prompts
 from dresd.host import cpu_flags, cpu_model
-from dresd.models import resolve_model_path
+from dresd.models.target import resolve_model_path
 from dresd.prompts import encode_prompt
 
 TIMES = re.compile(r"(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")

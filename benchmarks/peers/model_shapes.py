@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 from gguf_files import default_tokens, llama3_rope_factors
 
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 UNUSED = int(gguf.TokenType.UNUSED)
 

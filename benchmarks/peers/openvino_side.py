@@ -47,7 +47,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from dresd.datasets import load_prompts
-    from dresd.models import resolve_model_path
+    from dresd.models.target import resolve_model_path
     from dresd.prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))
@@ -64,11 +64,11 @@ def cmd_transformers(args: argparse.Namespace) -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from dresd.models import resolve_model_path
+    from dresd.models.target import resolve_model_path
 
     torch.set_num_threads(args.threads)
     if args.model == "dresd":
-        from dresd.models import load_target
+        from dresd.models.target import load_target
 
         target = load_target("default", dtype="bfloat16", device="cpu")
         model, linears = target.model, target.linears

@@ -28,7 +28,7 @@ import torch
 from dresd.bench.replay import Reference, drafter_proposer, reference, replay
 from dresd.datasets import load_prompts
 from dresd.drafters import make_drafter
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 
 RESULTS = Path(__file__).parents[1] / "results"

@@ -31,7 +31,7 @@ from dresd.corpus import CorpusSpec
 from dresd.datasets import data_dir, read_jsonl
 from dresd.datastore.dense import build_dense
 from dresd.metrics import summarize
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.regenerate import RegenerateConfig, regenerate
 from dresd.runner import AR, GenerationSettings, MethodRunner

@@ -21,7 +21,7 @@ from draft_shapes import recorded_outputs, recorded_references
 
 from dresd.bench.replay import drafter_proposer, replay
 from dresd.drafters.hybrid import AcceptanceTable, HybridDrafter
-from dresd.models import load_target
+from dresd.models.target import load_target
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from draft_shapes import print_table
 
 from dresd.calibrate import cost_at, load_or_measure
 from dresd.datasets import load_prompts
-from dresd.models import load_target
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import GenerationSettings, MethodRunner
 

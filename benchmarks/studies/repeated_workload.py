@@ -32,8 +32,8 @@ from dresd.bench.methods import parse_methods
 from dresd.bench.report import build_report, markdown_table, write_report
 from dresd.bench.runner import BenchRecord
 from dresd.datasets import EvalPrompt, data_dir, read_jsonl, round_robin
-from dresd.fastpath import dtype_name
-from dresd.models import load_target
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
 

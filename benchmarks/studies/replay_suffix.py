@@ -26,7 +26,7 @@ from dresd.calibrate import cost_at
 from dresd.datasets import data_dir, read_jsonl
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.host import cache_dir
-from dresd.models import default_model_dir
+from dresd.models.target import default_model_dir
 from dresd.prompts import encode_prompt
 
 SETTINGS = {

@@ -53,7 +53,7 @@ from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.drafters import RestDrafter
 from dresd.drafters.dense import distinct_drafts
 from dresd.drafters.prefixes import prefix_tree_drafts
-from dresd.models import Target, load_target
+from dresd.models.target import Target, load_target
 from dresd.prompts import encode_prompt
 
 RESULTS = Path(__file__).parents[1] / "results" / "retrieval"

@@ -39,9 +39,9 @@ from dresd.decoding.budget import cost_at
 from dresd.decoding.forward import Forward, Segment, make_forward
 from dresd.decoding.tree import DraftTree
 from dresd.device import clock, device_name
-from dresd.fastpath import dtype_name
 from dresd.host import cache_dir
-from dresd.models import Target
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import Target
 
 # rows of one forward: a tree, or (the same price) every row of a batched step
 # (14 and 28: where linear.c's row tiles are full, before a curve's steps up)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dresd.errors import MissingPackageError
-from dresd.models import Target
+from dresd.models.target import Target
 
 # Jobs queued per actor beyond the one it is running: its next job is ready when it
 # finishes, and the driver holds few jobs' results at once.

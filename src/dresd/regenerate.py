@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from dresd.corpus import CorpusError, format_prompt_ids, iter_jsonl
 from dresd.decoding import SamplingConfig
-from dresd.models import Target
+from dresd.models.target import Target
 from dresd.runner import GenerationSettings, MethodRunner
 
 if TYPE_CHECKING:  # Ray is optional, and imported only by a run that uses it

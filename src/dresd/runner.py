@@ -25,7 +25,7 @@ from dresd.decoding.prefix_cache import PrefixCache
 from dresd.drafters import make_drafter
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
-from dresd.models import Target
+from dresd.models.target import Target
 
 AR = "ar"
 

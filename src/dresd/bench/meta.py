@@ -16,9 +16,9 @@ import transformers
 
 from dresd.bench.methods import drafter_settings
 from dresd.device import device_name
-from dresd.fastpath import attention_name, dtype_name
 from dresd.host import cpu_model, native_bf16_flags
-from dresd.models import Target
+from dresd.models.fastpath import attention_name, dtype_name
+from dresd.models.target import Target
 from dresd.runner import GenerationSettings, MethodRunner
 
 

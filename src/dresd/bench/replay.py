@@ -38,7 +38,7 @@ import torch
 from dresd.calibrate import cost_at
 from dresd.decoding.tree import DraftTree
 from dresd.drafters import DraftContext
-from dresd.models import Target
+from dresd.models.target import Target
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dresd.datastore.dense import DenseBuildConfig, build_dense
 from dresd.datastore.format import read_manifest
 from dresd.datastore.sparse_store import build_sparse_datastore
 from dresd.errors import UserError
-from dresd.models import DEFAULT_MODEL
+from dresd.models.target import DEFAULT_MODEL
 
 BUILD_KINDS = ["dense", "sparse", "dense,sparse"]
 

@@ -15,8 +15,8 @@ from dresd.cli.options import (
     set_threads,
 )
 from dresd.device import device_name
-from dresd.fastpath import dtype_name
-from dresd.models import DEFAULT_MODEL
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import DEFAULT_MODEL
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -22,7 +22,7 @@ from dresd.cli.options import (
 )
 from dresd.corpus import FORMATS
 from dresd.errors import UserError
-from dresd.models import DEFAULT_MODEL
+from dresd.models.target import DEFAULT_MODEL
 from dresd.regenerate import RegenerateConfig, read_prompt_rows, regenerate
 
 

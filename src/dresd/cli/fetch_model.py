@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dresd.models import ensure_default_model
+from dresd.models.target import ensure_default_model
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -22,8 +22,8 @@ from dresd.cli.options import (
 from dresd.corpus import iter_jsonl, output_row, save_output
 from dresd.drafters import DRAFTERS
 from dresd.errors import UserError
-from dresd.fastpath import dtype_name
 from dresd.metrics import GenerationResult, summarize
+from dresd.models.fastpath import dtype_name
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, MethodRunner
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from dresd.datastore.inspect import describe, format_description
-from dresd.gguf_model import describe as describe_gguf
-from dresd.gguf_model import is_gguf, open_gguf
+from dresd.models.gguf_file import describe as describe_gguf
+from dresd.models.gguf_file import is_gguf, open_gguf
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -25,10 +25,10 @@ from dresd.decoding.prefix_cache import DEFAULT_MB
 from dresd.decoding.sampling import GREEDY_BELOW, sampling_or_greedy
 from dresd.device import DEVICE_HELP, device_name
 from dresd.errors import UserError
-from dresd.fastpath import DTYPES, dtype_name
 from dresd.fingerprint import tokenizer_fingerprint
 from dresd.host import native_bf16_flags
-from dresd.models import DEFAULT_MODEL, Target, load_target
+from dresd.models.fastpath import DTYPES, dtype_name
+from dresd.models.target import DEFAULT_MODEL, Target, load_target
 from dresd.raypool import RayPool
 from dresd.runner import GenerationSettings
 

@@ -33,7 +33,7 @@ from dresd.cli.options import (
 from dresd.corpus import output_row, save_output
 from dresd.decoding.prefix_cache import PrefixCache
 from dresd.errors import MissingPackageError, UserError
-from dresd.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from dresd.models.target import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from dresd.serve.auth import API_KEY_ENV, exposure_warning, read_key_file
 from dresd.serve.engine import (
     DATASTORE_METHODS,

@@ -66,9 +66,9 @@ from dresd.datastore.format import (
 from dresd.datastore.sparse import SparseIndex
 from dresd.datastore.sparse_store import SPARSE_DIR, kinds, write_sparse_part
 from dresd.datastore.transform import KeyTransform
-from dresd.fastpath import dtype_name
 from dresd.host import file_sha256
-from dresd.models import Target
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import Target
 
 
 def staging_dir(folder: Path) -> Path:

@@ -63,9 +63,9 @@ if TYPE_CHECKING:  # Ray is optional, and imported only by a build that uses it
     from dresd.raypool import RayPool
 from dresd.datastore.transform import KeyTransform, StatsAccumulator
 from dresd.errors import UserError
-from dresd.fastpath import dtype_name
 from dresd.fingerprint import tokenizer_fingerprint
-from dresd.models import Target
+from dresd.models.fastpath import dtype_name
+from dresd.models.target import Target
 
 KIND = "dense"
 TRANSFORM_FILE = "transform.npz"

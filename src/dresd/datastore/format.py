@@ -48,7 +48,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.errors import DresdError
 from dresd.fingerprint import tokenizer_fingerprint
 from dresd.host import file_sha256
-from dresd.models import Target
+from dresd.models.target import Target
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -33,7 +33,7 @@ from dresd.datastore.format import (
 )
 from dresd.datastore.sparse import FILES, SparseIndex, build_sparse
 from dresd.fingerprint import tokenizer_fingerprint
-from dresd.models import Target
+from dresd.models.target import Target
 
 KIND = "sparse"
 SPARSE_DIR = "sparse"  # the suffix array's subfolder in a datastore folder

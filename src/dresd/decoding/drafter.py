@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from dresd.models import Target
+    from dresd.models.target import Target
 
 Draft = list[int]
 

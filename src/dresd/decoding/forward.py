@@ -76,13 +76,14 @@ from dresd.decoding.segments import (  # noqa: F401 - Segment, SegmentOutput: im
     split_outputs,
 )
 from dresd.errors import DresdError
-from dresd.fastpath import INVARIANT_ATTENTION
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
 from dresd.kernels.decoder import CDecoder, SegmentRows
 from dresd.kernels.experts import MoEDecoder, is_moe
 from dresd.kernels.linear import InvariantLinear, fuse, share_storage
 from dresd.kernels.quant import QuantLinear
+from dresd.models import spec
+from dresd.models.fastpath import INVARIANT_ATTENTION
 
 
 def _dtype_and_device(model: PreTrainedModel) -> tuple[torch.dtype, torch.device]:
@@ -95,7 +96,10 @@ class LlamaForward:
     Qwen2, Qwen3 with its per-head q/k norms, a Qwen3-MoE file's with its experts on
     `kernels/experts.py`): see the module docstring."""
 
-    ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+    # transformers' model types whose layers this forward's PyTorch path computes too
+    ARCHITECTURES = tuple(model_type for arch in spec.ARCHITECTURES
+                          if arch.forward == spec.C_DECODER and arch.pytorch_layers
+                          for model_type in arch.model_types)
     # Rotary embeddings whose frequencies are fixed when the model is built: a row's cos and
     # sin are then a function of its position alone (transformers' `attention_scaling`
     # included), whatever rows share the forward. "dynamic" and "longrope" recompute them from
@@ -127,7 +131,9 @@ class LlamaForward:
         return config.model_type != "qwen3_moe" or is_moe(decoder)
 
     # Architectures whose layers only the C decoder runs (its `LayerForm`), not the PyTorch path
-    C_DECODER_ONLY = ("gemma3_text",)
+    C_DECODER_ONLY = tuple(model_type for arch in spec.ARCHITECTURES
+                           if arch.forward == spec.C_DECODER and not arch.pytorch_layers
+                           for model_type in arch.model_types)
 
     @classmethod
     def takes_on_c_decoder(cls, model: PreTrainedModel) -> bool:

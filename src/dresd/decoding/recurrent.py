@@ -42,11 +42,14 @@ from transformers import PreTrainedModel
 from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.segments import Segment, SegmentOutput, additive_mask, split_outputs
 from dresd.kernels.recurrent import delta_rule
+from dresd.models import spec
 
-# set by gguf_model.fill_qwen35 on a layer whose value heads are in a GGUF file's tiled order
+# set by models/gguf.fill_qwen35 on a layer whose value heads are in a GGUF file's tiled order
 TILED_VALUE_HEADS = "dresd_tiled_value_heads"
-# transformers' model types whose decoder layers are Qwen3.5's (dense and mixture of experts)
-ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text")
+# transformers' model types whose decoder layers run here (Qwen3.5's, dense and mixture of
+# experts: the spec's RECURRENT architectures)
+ARCHITECTURES = tuple(model_type for arch in spec.ARCHITECTURES if arch.forward == spec.RECURRENT
+                      for model_type in arch.model_types)
 # layer types that keep a recurrent state instead of (or beside) a KV cache: a model with any
 # of them that is not run here has no exact draft verification in dresd (`make_forward`)
 RECURRENT_LAYERS = ("linear_attention", "mamba", "mamba2", "conv", "recurrent")

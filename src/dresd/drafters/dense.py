@@ -68,7 +68,7 @@ from dresd.drafters.learned import LearnedDenseStore
 from dresd.drafters.prefixes import padded_prefix_tree
 from dresd.errors import UserError
 from dresd.kernels import drafting
-from dresd.models import Target
+from dresd.models.target import Target
 
 
 def distinct_drafts(every: list[list[int]], num_drafts: int) -> list[Draft]:

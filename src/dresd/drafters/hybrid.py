@@ -84,7 +84,7 @@ from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.errors import UserError
 from dresd.kernels import drafting
-from dresd.models import Target
+from dresd.models.target import Target
 
 
 class Cell(NamedTuple):

@@ -49,7 +49,7 @@ from dresd.drafters.learned import LearnedSparseStore, merged_prefix_drafts
 from dresd.drafters.prefixes import most_frequent_prefixes
 from dresd.errors import UserError
 from dresd.kernels import drafting
-from dresd.models import Target
+from dresd.models.target import Target
 
 
 @dataclass(frozen=True)

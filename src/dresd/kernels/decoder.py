@@ -37,6 +37,7 @@ from dresd.kernels import linear as cpu_linear
 from dresd.kernels import quant
 from dresd.kernels.linear import InvariantLinear
 from dresd.kernels.quant import QuantLinear, QuantParts
+from dresd.models import spec
 
 SOURCE = Path(__file__).with_name("decoder.c")
 FLAGS = cpu_attention.FLAGS  # the attention kernel's: this file compiles it in
@@ -174,9 +175,7 @@ def _head_norms(attention: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
     return norms if all(norm is not None for norm in norms) else ()
 
 
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # decoder.c's ACTIVATION_SILU, _GELU_TANH
-NORMS = {"LlamaRMSNorm": 0, "Qwen2RMSNorm": 0, "Qwen3RMSNorm": 0, "MistralRMSNorm": 0,
-         "Gemma3RMSNorm": 1}  # decoder.c's norm_plus_one: Gemma's multiplies by 1 + weight
+ACTIVATIONS = {spec.SILU: 0, spec.GELU_TANH: 1}  # decoder.c's ACTIVATION_SILU, _GELU_TANH
 
 
 @dataclass(frozen=True)
@@ -193,29 +192,36 @@ class LayerForm:
 
     @staticmethod
     def of(decoder: torch.nn.Module, config) -> LayerForm | None:
-        """The form of `decoder`'s layers, or None where decoder.c does not compute them."""
+        """The form of `decoder`'s layers, as their architecture's spec declares it
+        (`models/spec.py`, found by the config's model type), or None where decoder.c does
+        not compute them: no spec, a config that asks for more than the spec's layers do (an
+        activation of its own, logit soft-capping, bidirectional attention), modules that
+        are not the spec's (sandwich norms where it has none), norms with several epsilons."""
+        arch = spec.of_config(config)
+        if arch is None or arch.forward != spec.C_DECODER:
+            return None
         # Gemma names its activation hidden_activation (hidden_act is its older name)
         name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        if name not in ACTIVATIONS or getattr(config, "attn_logit_softcapping", None):
+        if name != arch.activation or getattr(config, "attn_logit_softcapping", None):
             return None
         if getattr(config, "use_bidirectional_attention", False):
             return None
         layers = decoder.layers
-        if len({len(_out_norms(layer)) for layer in layers}) > 1:
+        if any(bool(_out_norms(layer)) != arch.out_norms for layer in layers):
             return None
         norms = [norm for layer in layers for norm in _norms(layer)] + [decoder.norm]
-        kinds = {NORMS.get(type(norm).__name__) for norm in norms}
-        epsilons = {_epsilon(norm) for norm in norms}
-        if len(kinds) > 1 or None in kinds or len(epsilons) > 1:
-            return None  # the C code has one norm and one epsilon for every norm
+        if len({_epsilon(norm) for norm in norms}) > 1:
+            return None  # the C code has one epsilon for every norm
         types = getattr(config, "layer_types", None) or ["full_attention"] * len(layers)
         if len(types) != len(layers) or not set(types) <= {"full_attention",
                                                             "sliding_attention"}:
             return None
         windowed = tuple(kind == "sliding_attention" for kind in types)
-        if any(windowed) and not getattr(config, "sliding_window", None):
+        if any(windowed) and not (arch.sliding_windows and getattr(config, "sliding_window",
+                                                                   None)):
             return None
-        return LayerForm(kinds == {1}, ACTIVATIONS[name], bool(_out_norms(layers[0])), windowed)
+        return LayerForm(arch.norm_plus_one, ACTIVATIONS[arch.activation], arch.out_norms,
+                         windowed)
 
 
 def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:

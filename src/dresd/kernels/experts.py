@@ -29,6 +29,7 @@ from dresd.kernels import decoder as c_decoder
 from dresd.kernels import linear as cpu_linear
 from dresd.kernels import quant
 from dresd.kernels.decoder import PROJECTIONS, CDecoder, DecoderStruct, WeightStruct
+from dresd.models import spec
 
 SOURCE = Path(__file__).with_name("experts.c")
 _pointer, _i32 = ctypes.c_void_p, ctypes.c_int
@@ -181,23 +182,20 @@ class MoEDecoder(CDecoder):
 
     @staticmethod
     def build(decoder: torch.nn.Module, config, fused: list) -> MoEDecoder | None:
-        """The decoder, or None where the C code does not apply (the kernel missing; a layer's
-        projections, norms or activation other than the dense decoder takes)."""
+        """The decoder, or None where the C code does not apply (the kernel missing; a
+        layer's projections other than the dense decoder takes; layers other than a Llama
+        form's: `dresd_moe_decoder` computes RMSNorm, SiLU and full attention only)."""
         layers = decoder.layers
         if (kernel() is None or c_decoder.kernel() is None or not is_moe(decoder)
-                or any(parts is None for parts in fused)):
+                or any(parts is None for parts in fused) or config.hidden_size % 16):
             return None
-        if getattr(config, "hidden_act", None) != "silu" or config.hidden_size % 16:
+        form = c_decoder.LayerForm.of(decoder, config)
+        if form is None or form.norm_plus_one or form.out_norms or any(form.windowed) \
+                or form.activation != c_decoder.ACTIVATIONS[spec.SILU]:
             return None
-        eps = layers[0].input_layernorm.variance_epsilon
         for layer in layers:
             if not isinstance(layer.self_attn.o_proj, PROJECTIONS) \
                     or layer.self_attn.o_proj.bias is not None:
-                return None
-            norms = (layer.input_layernorm, layer.post_attention_layernorm,
-                     *c_decoder._head_norms(layer.self_attn))
-            if not all(type(norm).__name__.endswith("RMSNorm")
-                       and getattr(norm, "variance_epsilon", None) == eps for norm in norms):
                 return None
         if len({len(c_decoder._head_norms(layer.self_attn)) for layer in layers}) > 1:
             return None

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from dresd import kernels
-from dresd.fastpath import PackedLinear
 from dresd.kernels import HEADERS
+from dresd.models.fastpath import PackedLinear
 
 SOURCE = Path(__file__).with_name("linear.c")
 # No -ffast-math (nothing to gain: the sums are intrinsics; the bias add must stay one add).

@@ -1,6 +1,10 @@
 """A GGUF file as a target: the model llama.cpp and Ollama users already have, run as it is.
 
-    --model FILE.gguf -> the file's metadata (architecture, sizes) -> a transformers config
+    --model FILE.gguf -> its header (`gguf_file.open_gguf`, every offset checked)
+                      -> its architecture's spec (`spec.of_gguf`: what its layers compute and
+                         which tensors they read; an architecture not declared is refused)
+                      -> every tensor the spec reads checked: present, typed, shaped
+                      -> the file's metadata (sizes, rope) -> a transformers config
                       -> its tokenizer (transformers reads it from the file: chat template,
                          special tokens)
                       -> a transformers model built on the meta device (no weights allocated),
@@ -25,7 +29,7 @@ llama.cpp's converter permutes the rows of a Llama-architecture file's q and k p
 rotary embedding pairs neighbouring dimensions, transformers' pairs the two halves of a head);
 `unpermute_rows` undoes that, whole rows at a time, so the blocks stay as they are. A Gemma-3
 file has no such permutation (llama.cpp ropes it NEOX-style, as transformers does); its norms
-are stored plus one (`gemma3_config` and `_fill_gemma3` say what else differs).
+are stored plus one (`gemma3_config` and `_fill_layers` say what else differs).
 
 A `qwen3moe` file runs as a `qwen3` one, each layer's MLP its experts: `_Tensors.experts` reads
 the router and the 3-D expert tensors into a `kernels/experts.MoEMLP`, run in C.
@@ -40,20 +44,15 @@ experts in C plus the gated shared expert (`SharedExpertMoE`).
 from __future__ import annotations
 
 import hashlib
-import itertools
-import json
 import math
 import mmap
-import struct
 import tempfile
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -67,30 +66,27 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.decoding.recurrent import TILED_VALUE_HEADS
-from dresd.errors import DresdError
 from dresd.host import cache_dir
 from dresd.kernels import quant
 from dresd.kernels.experts import MoEMLP
 from dresd.kernels.experts import kernel as experts_kernel
 from dresd.kernels.linear import InvariantLinear, dense_weight
 from dresd.kernels.linear import kernel as linear_kernel
-
-Q = GGMLQuantizationType
-C_DECODER_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # `LlamaForward`'s layers
-HEAD_NORM_ARCHITECTURES = ("gemma3", "qwen3", "qwen3moe")  # a norm per head on q and k
-MOE_ARCHITECTURES = ("qwen3moe",)  # each layer's MLP a mixture of experts (kernels/experts.py)
-# gemma3: its own config and layers; qwen35: its own too (`qwen35_config`), and its own forward
-QWEN35_ARCHITECTURES = ("qwen35", "qwen35moe")  # decoding/recurrent.py's (the Qwen3.5 section)
-# whose experts run on kernels/experts.c (qwen35moe: beside its shared expert)
-EXPERT_KERNEL_ARCHITECTURES = (*MOE_ARCHITECTURES, "qwen35moe")
-ARCHITECTURES = (*C_DECODER_ARCHITECTURES, "gemma3", *QWEN35_ARCHITECTURES)
-C_DECODER_RUNS = (*C_DECODER_ARCHITECTURES, "gemma3")  # gemma3 in the C decoder's Gemma form
-FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
-SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
-
-
-class GGUFError(DresdError):
-    """A GGUF file that dresd cannot run; the message names the file and what is wrong."""
+from dresd.models import spec
+from dresd.models.gguf_file import (
+    FLOAT_TYPES,
+    SUPPORTED_TYPES,
+    GGUFError,
+    GGUFFile,
+    Q,
+    gguf_fingerprint,
+    metadata,
+    metadata_number,
+    metadata_size,
+    open_gguf,
+    token_rows,
+)
+from dresd.models.spec import Architecture
 
 
 class QuantEmbedding(torch.nn.Module):
@@ -124,293 +120,6 @@ class ScaledEmbedding(torch.nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return (super().forward(ids).float() * self.scale).to(self.weight.dtype)
-
-
-def is_gguf(name: str) -> bool:
-    return name.lower().endswith(".gguf")
-
-
-def _field(reader: GGUFFile, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def open_gguf(path: Path) -> GGUFFile:
-    """The file, its header read and its tensors memory-mapped, or one clear error for a file
-    that is not there, not GGUF, damaged or truncated: every count, length, type, shape and
-    offset of the header is checked as it is read (`read_header`). (The `gguf` package's reader
-    trusts them, and took 6-10 s on a 128k vocabulary: a numpy view per string.)"""
-    if not path.is_file():
-        raise GGUFError(f"GGUF file {str(path)!r} does not exist.")
-    return read_header(path)
-
-
-# --- the header, distrusted ---------------------------------------------------------------
-# GGUF (ggml/docs/gguf.md): magic, version, tensor count, metadata count; the metadata (key
-# string, value type, value); the tensor infos (name, dimension count, dimensions innermost
-# first, type, offset from the data section); padding to the alignment; the data section.
-
-MAX_DIMS = 4  # GGML_MAX_DIMS
-# each scalar type's struct format (little-endian: "<" + format) and numpy type
-_SCALARS = {GGUFValueType.UINT8: ("B", np.uint8), GGUFValueType.INT8: ("b", np.int8),
-            GGUFValueType.UINT16: ("H", np.uint16), GGUFValueType.INT16: ("h", np.int16),
-            GGUFValueType.UINT32: ("I", np.uint32), GGUFValueType.INT32: ("i", np.int32),
-            GGUFValueType.FLOAT32: ("f", np.float32), GGUFValueType.BOOL: ("?", np.bool_),
-            GGUFValueType.UINT64: ("Q", np.uint64), GGUFValueType.INT64: ("q", np.int64),
-            GGUFValueType.FLOAT64: ("d", np.float64)}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor's entry in the header, as the file states it."""
-
-    name: str
-    dims: tuple[int, ...]  # innermost first, as GGUF lists them
-    qtype: Q
-    offset: int  # from the start of the data section
-    n_bytes: int
-
-
-@dataclass(frozen=True)
-class Field:
-    """One metadata entry's value, as Python values (`contents()`, as the `gguf` package's
-    reader gives it: a number, a string, or a list of them)."""
-
-    value: Any
-
-    def contents(self) -> Any:
-        return self.value
-
-
-class GGUFTensor(NamedTuple):
-    """One tensor: its header entry and its bytes, mapped (uint8 [rows, bytes per row])."""
-
-    name: str
-    tensor_type: Q
-    shape: tuple[int, ...]  # innermost first, as GGUF lists them
-    n_bytes: int
-    data_offset: int  # from the start of the file
-    data: np.ndarray
-
-
-@dataclass
-class GGUFFile:
-    """A GGUF file's metadata (`fields`), tensors, and the memory map they read (`data`)."""
-
-    fields: dict[str, Field]
-    tensors: list[GGUFTensor]
-    data: np.memmap
-    data_offset: int  # where the data section starts
-
-
-class _Cursor:
-    """Reads the header's little-endian fields, every length checked against the bytes left."""
-
-    def __init__(self, data: memoryview, path: Path) -> None:
-        self.data, self.path, self.at = data, path, 0
-
-    def fail(self, what: str) -> GGUFError:
-        return GGUFError(f"{self.path} is damaged or truncated: {what} (at byte {self.at} of "
-                         f"{len(self.data)}).")
-
-    def take(self, size: int, what: str) -> int:
-        """Skips `size` bytes; the offset they started at."""
-        if size < 0 or self.at + size > len(self.data):
-            raise self.fail(f"{what} needs {size} bytes, the file has {len(self.data) - self.at}"
-                            " left")
-        start, self.at = self.at, self.at + size
-        return start
-
-    def number(self, form: str, what: str) -> int:
-        return struct.unpack_from("<" + form, self.data, self.take(struct.calcsize(form), what))[0]
-
-    def string(self, what: str) -> str:
-        length = self.number("Q", f"the length of {what}")
-        start = self.take(length, what)
-        try:
-            return bytes(self.data[start:start + length]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not UTF-8") from None
-
-    def value(self, kind: int, key: str, depth: int = 0) -> Any:
-        """One metadata value of type `kind`, read: a number, a string, or a list of them."""
-        try:
-            kind = GGUFValueType(kind)
-        except ValueError:
-            raise self.fail(f"metadata {key!r} has value type {kind}, which GGUF has not") \
-                from None
-        if kind in _SCALARS:
-            return self.number(_SCALARS[kind][0], f"metadata {key!r}")
-        if kind == GGUFValueType.STRING:
-            return self.string(f"metadata {key!r}")
-        if depth > 2:
-            raise self.fail(f"metadata {key!r} nests arrays deeper than GGUF files do")
-        item = self.number("I", f"metadata {key!r}'s item type")
-        count = self.number("Q", f"metadata {key!r}'s length")
-        if item in _SCALARS:  # fixed-size items: one check for all of them
-            dtype = np.dtype(_SCALARS[GGUFValueType(item)][1]).newbyteorder("<")
-            start = self.take(count * dtype.itemsize, f"metadata {key!r} ({count} items)")
-            return np.frombuffer(self.data, dtype, count, start).tolist()  # no view kept
-        if count * 8 > len(self.data) - self.at:  # every string or array item takes 8 bytes
-            raise self.fail(f"metadata {key!r} claims {count} items")
-        if item == GGUFValueType.STRING:  # a vocabulary: 10^5 strings, read in one tight loop
-            return self.strings(count, f"metadata {key!r}")
-        return [self.value(item, key, depth + 1) for _ in range(count)]
-
-    def strings(self, count: int, what: str) -> list[str]:
-        """`count` strings one after another (`string`'s checks, without its calls)."""
-        data, size, at, values = self.data, len(self.data), self.at, []
-        unpack = struct.Struct("<Q").unpack_from
-        try:
-            for _ in range(count):
-                if at + 8 > size:
-                    raise self.fail(f"{what}: a string's length runs past the file's end")
-                end = at + 8 + unpack(data, at)[0]
-                if end > size:
-                    raise self.fail(f"{what}: a string runs past the file's end")
-                values.append(str(data[at + 8:end], "utf-8"))
-                at = end
-        except UnicodeDecodeError:
-            raise self.fail(f"{what}: a string is not UTF-8") from None
-        finally:
-            self.at = at
-        return values
-
-
-def read_header(path: Path) -> GGUFFile:
-    """The file's metadata and tensors, after every count, length, type, shape and offset of
-    its header has been checked against the file itself: each tensor's data lies inside the
-    file's data section, aligned, apart from every other tensor's. One `GGUFError` naming the
-    file (and the tensor, where one is at fault) otherwise."""
-    try:
-        data = np.memmap(path, np.uint8, mode="r")
-    except ValueError:  # an empty file cannot be mapped
-        data = np.zeros(0, np.uint8)
-    fields, infos, start = _walk_header(_Cursor(memoryview(data), path))
-    tensors = []
-    for info in infos:
-        rows = int(np.prod(info.dims[1:], dtype=np.int64))
-        offset = start + info.offset
-        tensors.append(GGUFTensor(info.name, info.qtype, info.dims, info.n_bytes, offset,
-                                  data[offset:offset + info.n_bytes].reshape(rows, -1)))
-    return GGUFFile(fields, tensors, data, start)
-
-
-def _walk_header(cursor: _Cursor) -> tuple[dict[str, Field], list[TensorInfo], int]:
-    path = cursor.path
-    cursor.take(4, "the magic")
-    if bytes(cursor.data[0:4]) != b"GGUF":
-        raise GGUFError(f"{path} is not a readable GGUF file (it does not start with 'GGUF').")
-    version = cursor.number("I", "the version")
-    if version not in (2, 3):
-        raise GGUFError(f"{path}: GGUF version {version}; dresd reads versions 2 and 3.")
-    tensors = cursor.number("Q", "the tensor count")
-    fields = cursor.number("Q", "the metadata count")
-    left = len(cursor.data) - cursor.at
-    # the smallest metadata entry takes 13 bytes, the smallest tensor info 24
-    if fields * 13 > left or tensors * 24 > left:
-        raise cursor.fail(f"the header claims {tensors} tensors and {fields} metadata entries")
-    alignment = 32  # GGUF's default, unless general.alignment says otherwise
-    # the `gguf` package's reader lists these three as fields too (fingerprints include them)
-    metadata = {"GGUF.version": Field(version), "GGUF.tensor_count": Field(tensors),
-                "GGUF.kv_count": Field(fields)}
-    for _ in range(fields):
-        key = cursor.string("a metadata key")
-        value = cursor.value(cursor.number("I", f"metadata {key!r}'s type"), key)
-        metadata[key] = Field(value)
-        if key == "general.alignment":
-            if type(value) is not int or value < 1 or value & (value - 1):
-                raise cursor.fail(f"general.alignment is {value}, not a power of two")
-            alignment = value
-    infos = []
-    for _ in range(tensors):
-        name = cursor.string("a tensor name")
-        n_dims = cursor.number("I", f"tensor {name!r}'s dimension count")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise cursor.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
-        dims = tuple(cursor.number("Q", f"tensor {name!r}'s shape") for _ in range(n_dims))
-        number = cursor.number("I", f"tensor {name!r}'s type")
-        offset = cursor.number("Q", f"tensor {name!r}'s offset")
-        try:
-            qtype = Q(number)
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            raise GGUFError(f"{path}: tensor {name!r} has type number {number}, which is no "
-                            "ggml type.") from None
-        if any(size < 1 for size in dims) or dims[0] % block:
-            raise GGUFError(f"{path}: tensor {name!r} has shape {list(dims)}, which a "
-                            f"{qtype.name} tensor cannot have (dimensions of at least 1, the "
-                            f"first a multiple of {block}).")
-        elements = int(np.prod(dims, dtype=object))
-        infos.append(TensorInfo(name, dims, qtype, offset, elements // block * block_bytes))
-    start = -(-cursor.at // alignment) * alignment  # the data section, aligned
-    size = len(cursor.data)
-    names = set()
-    for info in infos:
-        if info.name in names:
-            raise GGUFError(f"{path}: tensor {info.name!r} is listed twice.")
-        names.add(info.name)
-        if info.offset % alignment:
-            raise GGUFError(f"{path}: tensor {info.name!r}'s data starts at offset {info.offset},"
-                            f" not a multiple of the file's alignment {alignment}.")
-        if start + info.offset + info.n_bytes > size:
-            raise GGUFError(f"{path} is damaged or truncated: tensor {info.name!r} "
-                            f"({info.qtype.name} {list(info.dims)}, {info.n_bytes} bytes at "
-                            f"offset {info.offset}) ends past the file's {size} bytes.")
-    by_offset = sorted(infos, key=lambda info: info.offset)
-    for before, after in itertools.pairwise(by_offset):
-        if before.offset + before.n_bytes > after.offset:
-            raise GGUFError(f"{path} is damaged: tensor {before.name!r}'s data ({before.n_bytes}"
-                            f" bytes at offset {before.offset}) runs into tensor "
-                            f"{after.name!r}'s (at {after.offset}).")
-    return metadata, infos, start
-
-
-def describe(reader: GGUFFile) -> dict:
-    """What `dresd inspect`-style output says about a file: architecture, name, tensor types
-    with their counts, parameters and bytes."""
-    types: dict[str, int] = {}
-    for tensor in reader.tensors:
-        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-    architecture = _field(reader, "general.architecture")
-    unsupported = sorted({t.tensor_type.name for t in reader.tensors
-                          if t.tensor_type not in SUPPORTED_TYPES})
-    why_not = ([f"architecture {architecture}"] if architecture not in ARCHITECTURES else []) + (
-        [f"types {', '.join(unsupported)}"] if unsupported else [])
-    runs = f"no ({'; '.join(why_not)})" if why_not else "yes"
-    forward = None
-    if not why_not:  # the linears run in the C quantized kernel either way
-        forward = ("dresd's C decoder" if architecture in C_DECODER_RUNS else
-                   "dresd's per-node recurrent forward (decoding/recurrent.py), its linears in "
-                   "dresd's C quantized kernel" if architecture in QWEN35_ARCHITECTURES else
-                   "transformers' forward, its linears in dresd's C quantized kernel")
-        if architecture in EXPERT_KERNEL_ARCHITECTURES:
-            forward += ", each layer's experts in C (kernels/experts.c)"
-    return {"architecture": architecture,
-            "name": _field(reader, "general.name"),
-            "layers": _field(reader, f"{architecture}.block_count"),
-            "context_length": _field(reader, f"{architecture}.context_length"),
-            "sliding_window": _field(reader, f"{architecture}.attention.sliding_window"),
-            "experts": _field(reader, f"{architecture}.expert_count"),
-            "experts_used": _field(reader, f"{architecture}.expert_used_count"),
-            "tensor_types": types,
-            "parameters": int(sum(int(np.prod(t.shape)) for t in reader.tensors)),
-            "tensor_bytes": int(sum(t.n_bytes for t in reader.tensors)),
-            "dresd_runs_it_natively": runs,
-            "forward": forward}
-
-
-def gguf_fingerprint(reader: GGUFFile) -> str:
-    """sha256 of the file's metadata and a few of its tensors' bytes (as `model_fingerprint`
-    does for a checkpoint: cheap, and different for any two different files in practice)."""
-    digest = hashlib.sha256()
-    meta = {key: str(field.contents()) for key, field in reader.fields.items()
-            if not key.startswith("tokenizer.ggml.")}
-    digest.update(json.dumps(meta, sort_keys=True).encode())
-    for tensor in reader.tensors[:2] + reader.tensors[-4:]:
-        digest.update(tensor.name.encode() + tensor.tensor_type.name.encode())
-        digest.update(np.asarray(tensor.data).reshape(-1).view(np.uint8)[:65536].tobytes())
-    return digest.hexdigest()
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
@@ -550,20 +259,6 @@ class _FloatHead(torch.nn.Module):
         return self.layer(x.float())
 
 
-def _number(reader: GGUFFile, path: Path, key: str, default=None):
-    """A scalar metadata value, `default` where the file has none; a clear error where the file
-    has an array (a per-layer value dresd does not take) or nothing and there is no default."""
-    value = _field(reader, key)
-    if value is None:
-        if default is None:
-            raise GGUFError(f"{path}: metadata {key!r} is missing.")
-        return default
-    if isinstance(value, list):
-        raise GGUFError(f"{path}: metadata {key!r} is per layer ({value[:4]}...); dresd takes "
-                        "one value for every layer.")
-    return value
-
-
 def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
     """A Gemma-3 file's transformers config, read as llama.cpp reads the file
     (`src/models/gemma3.cpp`, `conversion/gemma.py`), not as transformers' GGUF loader does:
@@ -583,16 +278,16 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
     """
     arch = "gemma3"
     key = f"{arch}.{{}}".format
-    layers = int(_number(reader, path, key("block_count")))
-    hidden = int(_number(reader, path, key("embedding_length")))
-    heads = int(_number(reader, path, key("attention.head_count")))
-    head_dim = int(_number(reader, path, key("attention.key_length"), 256))
-    value_dim = int(_number(reader, path, key("attention.value_length"), head_dim))
+    layers = int(metadata_number(reader, path, key("block_count")))
+    hidden = int(metadata_number(reader, path, key("embedding_length")))
+    heads = int(metadata_number(reader, path, key("attention.head_count")))
+    head_dim = int(metadata_number(reader, path, key("attention.key_length"), 256))
+    value_dim = int(metadata_number(reader, path, key("attention.value_length"), head_dim))
     if value_dim != head_dim:
         raise GGUFError(f"{path}: key length {head_dim} and value length {value_dim} differ; "
                         "a Gemma-3 head has one size.")
-    window = int(_number(reader, path, key("attention.sliding_window"), 0))
-    pattern = _field(reader, key("attention.sliding_window_pattern"))
+    window = int(metadata_number(reader, path, key("attention.sliding_window"), 0))
+    pattern = metadata(reader, key("attention.sliding_window_pattern"))
     if not window:
         windowed = [False] * layers
     elif isinstance(pattern, list):
@@ -603,46 +298,50 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
     else:
         period = int(pattern or 6)  # llama.cpp's set_swa_pattern: the last of each period full
         windowed = [period == 0 or i % period < period - 1 for i in range(layers)]
-    scaling = str(_field(reader, key("rope.scaling.type")) or "linear")
-    factor = float(_field(reader, key("rope.scaling.factor"))
-                   or _field(reader, key("rope.scale_linear")) or 1.0)
+    scaling = str(metadata(reader, key("rope.scaling.type")) or "linear")
+    factor = float(metadata(reader, key("rope.scaling.factor"))
+                   or metadata(reader, key("rope.scale_linear")) or 1.0)
     full_rope: dict = {"rope_type": "default",
-                       "rope_theta": float(_number(reader, path, key("rope.freq_base"), 1e6))}
+                       "rope_theta": float(metadata_number(reader, path, key("rope.freq_base"),
+                                                           1e6))}
     if scaling not in ("none", "linear"):
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not one dresd runs for Gemma-3 "
                         "(linear).")
     if scaling == "linear" and factor != 1.0:
         full_rope.update(rope_type="linear", factor=factor)
     local_rope = {"rope_type": "default",
-                  "rope_theta": float(_number(reader, path, key("rope.freq_base_swa"), 10000.0))}
-    softcap = _field(reader, key("final_logit_softcapping"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+                  "rope_theta": float(metadata_number(reader, path, key("rope.freq_base_swa"),
+                                                      10000.0))}
+    softcap = metadata(reader, key("final_logit_softcapping"))
+    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     # llama.cpp ends generation at <end_of_turn> too (an end-of-generation token by its text);
     # a chat turn of a Gemma instruct model ends with it, not with <eos>
     ends = [eos] if eos is not None else []
     if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in ends:
         ends.append(tokens.index("<end_of_turn>"))
     return Gemma3TextConfig(
-        vocab_size=_token_rows(reader, path),
+        vocab_size=token_rows(reader, path),
         hidden_size=hidden,
-        intermediate_size=int(_number(reader, path, key("feed_forward_length"))),
+        intermediate_size=int(metadata_number(reader, path, key("feed_forward_length"))),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(_number(reader, path, key("attention.head_count_kv"), heads)),
+        num_key_value_heads=int(metadata_number(reader, path, key("attention.head_count_kv"),
+                                                heads)),
         head_dim=head_dim,
         query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
         sliding_window=window or None,
         layer_types=["sliding_attention" if w else "full_attention" for w in windowed],
         rope_parameters={"full_attention": full_rope, "sliding_attention": local_rope},
-        rms_norm_eps=float(_number(reader, path, key("attention.layer_norm_rms_epsilon"), 1e-6)),
-        max_position_embeddings=int(_number(reader, path, key("context_length"), 131072)),
+        rms_norm_eps=float(metadata_number(reader, path,
+                                           key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        max_position_embeddings=int(metadata_number(reader, path, key("context_length"), 131072)),
         final_logit_softcapping=float(softcap) if softcap else None,
         hidden_activation="gelu_pytorch_tanh",  # llama.cpp's LLM_FFN_GELU: the tanh form
         tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=ends[0] if len(ends) == 1 else (ends or None),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+        pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
 
 
 # --- Qwen3.5 (qwen35) ----------------------------------------------------------------------
@@ -682,69 +381,71 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig | Qwen3_5Mo
     `ssm.*` keys (state size: the key head size; group count: key heads; time step rank: value
     heads; inner size: value heads x value head size); a `qwen35moe` file's experts from its
     `expert_*` keys."""
-    architecture = _field(reader, "general.architecture")
+    architecture = metadata(reader, "general.architecture")
     key = f"{architecture}.{{}}".format
-    blocks = _size(reader, path, key("block_count"))
-    layers = blocks - int(_number(reader, path, key("nextn_predict_layers"), 0))
-    heads = _size(reader, path, key("attention.head_count"))
-    head_dim = _size(reader, path, key("attention.key_length"))
-    value_heads = _size(reader, path, key("ssm.time_step_rank"))
-    inner = _size(reader, path, key("ssm.inner_size"))
+    blocks = metadata_size(reader, path, key("block_count"))
+    layers = blocks - int(metadata_number(reader, path, key("nextn_predict_layers"), 0))
+    heads = metadata_size(reader, path, key("attention.head_count"))
+    head_dim = metadata_size(reader, path, key("attention.key_length"))
+    value_heads = metadata_size(reader, path, key("ssm.time_step_rank"))
+    inner = metadata_size(reader, path, key("ssm.inner_size"))
     if inner % value_heads:
         raise GGUFError(f"{path}: ssm.inner_size {inner} is not a whole number of "
                         f"{value_heads} value heads.")
-    key_heads = _size(reader, path, key("ssm.group_count"))
+    key_heads = metadata_size(reader, path, key("ssm.group_count"))
     if value_heads % key_heads:
         raise GGUFError(f"{path}: {key_heads} key heads do not divide {value_heads} value heads.")
-    recurrent = _field(reader, key("attention.recurrent_layers"))
+    recurrent = metadata(reader, key("attention.recurrent_layers"))
     if isinstance(recurrent, list):
         if len(recurrent) < layers:
             raise GGUFError(f"{path}: attention.recurrent_layers has {len(recurrent)} flags "
                             f"for {layers} layers.")
         linear = [bool(flag) for flag in recurrent[:layers]]
     else:
-        interval = _size(reader, path, key("full_attention_interval"), 4)
+        interval = metadata_size(reader, path, key("full_attention_interval"), 4)
         linear = [(i + 1) % interval != 0 for i in range(layers)]
-    rotary = _size(reader, path, key("rope.dimension_count"), head_dim // 4)
-    sections = _field(reader, key("rope.dimension_sections")) or [11, 11, 10]
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    rotary = metadata_size(reader, path, key("rope.dimension_count"), head_dim // 4)
+    sections = metadata(reader, key("rope.dimension_sections")) or [11, 11, 10]
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     if architecture == QWEN35_MOE:
         config_class, mlp = Qwen3_5MoeTextConfig, dict(
-            num_experts=_size(reader, path, key("expert_count")),
-            num_experts_per_tok=_size(reader, path, key("expert_used_count")),
-            moe_intermediate_size=_size(reader, path, key("expert_feed_forward_length")),
-            shared_expert_intermediate_size=_size(reader, path,
+            num_experts=metadata_size(reader, path, key("expert_count")),
+            num_experts_per_tok=metadata_size(reader, path, key("expert_used_count")),
+            moe_intermediate_size=metadata_size(reader, path, key("expert_feed_forward_length")),
+            shared_expert_intermediate_size=metadata_size(reader, path,
                                                   key("expert_shared_feed_forward_length")))
         if mlp["num_experts_per_tok"] > mlp["num_experts"]:
             raise GGUFError(f"{path}: {mlp['num_experts_per_tok']} experts used per token of "
                             f"{mlp['num_experts']}.")
     else:
         config_class = Qwen3_5TextConfig
-        mlp = dict(intermediate_size=_size(reader, path, key("feed_forward_length")))
+        mlp = dict(intermediate_size=metadata_size(reader, path, key("feed_forward_length")))
     return config_class(
-        vocab_size=_token_rows(reader, path),
-        hidden_size=_size(reader, path, key("embedding_length")),
+        vocab_size=token_rows(reader, path),
+        hidden_size=metadata_size(reader, path, key("embedding_length")),
         **mlp,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=_size(reader, path, key("attention.head_count_kv"), heads),
+        num_key_value_heads=metadata_size(reader, path, key("attention.head_count_kv"), heads),
         head_dim=head_dim,
-        linear_conv_kernel_dim=_size(reader, path, key("ssm.conv_kernel")),
-        linear_key_head_dim=_size(reader, path, key("ssm.state_size")),
+        linear_conv_kernel_dim=metadata_size(reader, path, key("ssm.conv_kernel")),
+        linear_key_head_dim=metadata_size(reader, path, key("ssm.state_size")),
         linear_num_key_heads=key_heads,
         linear_num_value_heads=value_heads,
         linear_value_head_dim=inner // value_heads,
         layer_types=["linear_attention" if flag else "full_attention" for flag in linear],
         rope_parameters={"rope_type": "default",
-                         "rope_theta": float(_number(reader, path, key("rope.freq_base"), 1e7)),
+                         "rope_theta": float(metadata_number(reader, path,
+                                                             key("rope.freq_base"), 1e7)),
                          "partial_rotary_factor": rotary / head_dim,
                          "mrope_section": [int(s) for s in sections[:3]]},
-        rms_norm_eps=float(_number(reader, path, key("attention.layer_norm_rms_epsilon"), 1e-6)),
-        max_position_embeddings=int(_number(reader, path, key("context_length"), 32768)),
+        rms_norm_eps=float(metadata_number(reader, path,
+                                           key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        max_position_embeddings=int(metadata_number(reader, path, key("context_length"), 32768)),
         tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos,
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"))
+        pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
 
 
 def expected_qwen35_tensors(config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig,
@@ -892,7 +593,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def file_rope_parameters(reader: GGUFFile, path: Path, architecture: str) -> dict:
+def file_rope_parameters(reader: GGUFFile, path: Path, arch: Architecture) -> dict:
     """A Llama-family file's rotary embedding as transformers' `config.rope_parameters`, read
     as llama.cpp reads it (`llama_model::load_hparams`, `llama_context`'s YaRN set-up):
 
@@ -905,12 +606,12 @@ def file_rope_parameters(reader: GGUFFile, path: Path, architecture: str) -> dic
       times `rope.scaling.attn_factor`, as transformers' `attention_factor`.
     Anything else (LongRoPE, a YaRN extrapolation factor other than 1) is one error.
     `rope_freqs.weight` is not here: `load_gguf` divides the frequencies by it."""
-    key = f"{architecture}.rope.{{}}".format
+    key = f"{arch.gguf}.rope.{{}}".format
     rope: dict = {"rope_type": "default",
-                  "rope_theta": float(_number(reader, path, key("freq_base"), 10000.0))}
-    kind = str(_field(reader, key("scaling.type")) or "linear")
-    factor = float(_field(reader, key("scaling.factor"))
-                   or _field(reader, key("scale_linear")) or 1.0)
+                  "rope_theta": float(metadata_number(reader, path, key("freq_base"), 10000.0))}
+    kind = str(metadata(reader, key("scaling.type")) or "linear")
+    factor = float(metadata(reader, key("scaling.factor"))
+                   or metadata(reader, key("scale_linear")) or 1.0)
     if kind == "none" or factor == 1.0:
         return rope
     if kind == "linear":
@@ -918,19 +619,19 @@ def file_rope_parameters(reader: GGUFFile, path: Path, architecture: str) -> dic
     if kind != "yarn":
         raise GGUFError(f"{path}: rope scaling {kind!r} is not one dresd runs (linear, yarn, "
                         "and Llama 3's rope_freqs).")
-    if float(_field(reader, key("scaling.yarn_ext_factor")) or 1.0) != 1.0:
+    if float(metadata(reader, key("scaling.yarn_ext_factor")) or 1.0) != 1.0:
         raise GGUFError(f"{path}: a YaRN extrapolation factor other than 1 is not one dresd "
                         "runs.")
-    log_multiplier = float(_field(reader, key("scaling.yarn_log_multiplier")) or 0.0)
-    original = _field(reader, key("scaling.original_context_length")) or _number(
-        reader, path, f"{architecture}.context_length")
+    log_multiplier = float(metadata(reader, key("scaling.yarn_log_multiplier")) or 0.0)
+    original = metadata(reader, key("scaling.original_context_length")) or metadata_number(
+        reader, path, f"{arch.gguf}.context_length")
     return {**rope, "rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": int(original),
-            "beta_fast": float(_field(reader, key("scaling.yarn_beta_fast")) or 32.0),
-            "beta_slow": float(_field(reader, key("scaling.yarn_beta_slow")) or 1.0),
+            "beta_fast": float(metadata(reader, key("scaling.yarn_beta_fast")) or 32.0),
+            "beta_slow": float(metadata(reader, key("scaling.yarn_beta_slow")) or 1.0),
             "attention_factor": _yarn_mscale(factor, 1.0)
             / _yarn_mscale(factor, log_multiplier)
-            * float(_field(reader, key("scaling.attn_factor")) or 1.0)}
+            * float(metadata(reader, key("scaling.attn_factor")) or 1.0)}
 
 
 def divide_rope_frequencies(rotary: torch.nn.Module, factors: torch.Tensor) -> None:
@@ -943,15 +644,6 @@ def divide_rope_frequencies(rotary: torch.nn.Module, factors: torch.Tensor) -> N
                         "positive.")
     rotary.inv_freq = rotary.inv_freq / factors
     rotary.original_inv_freq = rotary.inv_freq.clone()
-
-
-def _token_rows(reader: GGUFFile, path: Path) -> int:
-    """The vocabulary the model has rows for: the token embedding's (the converter cuts rows
-    past the tokenizer's vocabulary, so they need not be the config's original size)."""
-    for tensor in reader.tensors:
-        if tensor.name == "token_embd.weight":
-            return int(tensor.shape[1])
-    raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing.")
 
 
 @dataclass(frozen=True)
@@ -980,86 +672,72 @@ class Sizes:
                    int(config.moe_intermediate_size) if experts else 0)
 
 
-C_INT = 2**31 - 1  # the C kernels take sizes as int
-
-
-def _size(reader: GGUFFile, path: Path, key: str, default: int | None = None) -> int:
-    """A size from the metadata: a whole number from 1 to what a C int holds."""
-    value = _number(reader, path, key, default)
-    if isinstance(value, (bool, str)) or not float(value).is_integer() \
-            or not 1 <= int(value) <= C_INT:
-        raise GGUFError(f"{path}: metadata {key!r} is {value!r}, not a size.")
-    return int(value)
-
-
-def model_sizes(reader: GGUFFile, path: Path, architecture: str) -> Sizes:
+def model_sizes(reader: GGUFFile, path: Path, arch: Architecture) -> Sizes:
     """The sizes the file's metadata states, read as llama.cpp reads them (head size: the key
     length, else hidden / heads), and checked to fit together."""
-    if architecture in OWN_CONFIGS:
-        return Sizes.of_config(OWN_CONFIGS[architecture](reader, path))
-    key = f"{architecture}.{{}}".format
-    hidden, heads = _size(reader, path, key("embedding_length")), \
-        _size(reader, path, key("attention.head_count"))
-    if hidden % heads and _field(reader, key("attention.key_length")) is None:
+    if arch.gguf in OWN_CONFIGS:
+        return Sizes.of_config(OWN_CONFIGS[arch.gguf](reader, path))
+    key = f"{arch.gguf}.{{}}".format
+    hidden, heads = metadata_size(reader, path, key("embedding_length")), \
+        metadata_size(reader, path, key("attention.head_count"))
+    if hidden % heads and metadata(reader, key("attention.key_length")) is None:
         raise GGUFError(f"{path}: {heads} attention heads do not divide the hidden size "
                         f"{hidden}, and the file states no head size.")
-    sizes = Sizes(_size(reader, path, key("block_count")), hidden, heads,
-                  _size(reader, path, key("attention.head_count_kv"), heads),
-                  _size(reader, path, key("attention.key_length"), hidden // heads),
-                  _size(reader, path, key("feed_forward_length")))
+    sizes = Sizes(metadata_size(reader, path, key("block_count")), hidden, heads,
+                  metadata_size(reader, path, key("attention.head_count_kv"), heads),
+                  metadata_size(reader, path, key("attention.key_length"), hidden // heads),
+                  metadata_size(reader, path, key("feed_forward_length")))
     if sizes.heads % sizes.kv_heads:
         raise GGUFError(f"{path}: {sizes.kv_heads} key-value heads do not divide the "
                         f"{sizes.heads} attention heads.")
-    if architecture in MOE_ARCHITECTURES:
-        experts = _size(reader, path, key("expert_count"))
-        used = _size(reader, path, key("expert_used_count"))
+    if arch.moe:
+        experts = metadata_size(reader, path, key("expert_count"))
+        used = metadata_size(reader, path, key("expert_used_count"))
         if used > experts:
             raise GGUFError(f"{path}: {used} experts used per token of {experts}.")
         # llama.cpp's default where the file has no expert size: feed_forward_length / used
-        ffn = _size(reader, path, key("expert_feed_forward_length"),
+        ffn = metadata_size(reader, path, key("expert_feed_forward_length"),
                     max(sizes.intermediate // used, 1))
-        moe_routing(reader, path, architecture)
+        moe_routing(reader, path, arch)
         sizes = Sizes(*astuple(sizes)[:6], experts, used, ffn)
     return sizes
 
 
-def moe_routing(reader: GGUFFile, path: Path, architecture: str) -> bool:
+def moe_routing(reader: GGUFFile, path: Path, arch: Architecture) -> bool:
     """Whether a MoE file's chosen experts' weights are renormalised to sum to 1
     (`expert_weights_norm`; llama.cpp's qwen3moe always does, transformers' GGUF reading
     defaults to it); one error for routing dresd does not run: gating other than softmax,
     shared experts, a scale on the weights."""
-    key = f"{architecture}.{{}}".format
-    gating = _field(reader, key("expert_gating_func"))
+    key = f"{arch.gguf}.{{}}".format
+    gating = metadata(reader, key("expert_gating_func"))
     if gating not in (None, int(gguf.ExpertGatingFuncType.SOFTMAX)):
         raise GGUFError(f"{path}: expert gating function {gating}; dresd runs softmax gating "
                         "only.")
-    if _field(reader, key("expert_shared_count")) or \
-            _field(reader, key("expert_shared_feed_forward_length")):
+    if metadata(reader, key("expert_shared_count")) or \
+            metadata(reader, key("expert_shared_feed_forward_length")):
         raise GGUFError(f"{path}: shared experts are not something dresd runs.")
-    scale = _field(reader, key("expert_weights_scale"))
+    scale = metadata(reader, key("expert_weights_scale"))
     if scale not in (None, 0.0, 1.0):
         raise GGUFError(f"{path}: expert weights scaled by {scale}; dresd runs unscaled weights "
                         "only.")
-    norm = _field(reader, key("expert_weights_norm"))
+    norm = metadata(reader, key("expert_weights_norm"))
     return True if norm is None else bool(norm)
 
 
 NORM_TYPES = {Q.F32, Q.F16, Q.BF16}  # norms and biases are read as floats
 
 
-def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
+def expected_tensors(sizes: Sizes, arch: Architecture, present: set[str]
                      ) -> dict[str, tuple[tuple[int, ...], set]]:
     """Every tensor the architecture reads (the optional ones where the file has them): its
     shape, outer size first (as torch lists it), and the types it may have. The token
     embedding's rows (the vocabulary) are any number: `check_model_tensors` checks them."""
     hidden, inter, head_dim = sizes.hidden, sizes.intermediate, sizes.head_dim
     q_rows, kv_rows = sizes.heads * head_dim, sizes.kv_heads * head_dim
-    norms = ["attn_norm", "ffn_norm"]
-    if architecture == "gemma3":
-        norms += ["post_attention_norm", "post_ffw_norm"]
+    norms = [name for name, _ in arch.layer_norms]
     expected: dict[str, tuple[tuple[int, ...], set]] = {"output_norm.weight": ((hidden,),
                                                                                NORM_TYPES)}
-    if architecture in MOE_ARCHITECTURES:  # the router, then every expert in one 3-D tensor
+    if arch.moe:  # the router, then every expert in one 3-D tensor
         experts, ffn = sizes.experts, sizes.expert_ffn
         mlp = (("ffn_gate_inp", (experts, hidden), NORM_TYPES),
                ("ffn_gate_exps", (experts, ffn, hidden), SUPPORTED_TYPES),
@@ -1076,23 +754,23 @@ def expected_tensors(sizes: Sizes, architecture: str, present: set[str]
             ("attn_q", (q_rows, hidden)), ("attn_k", (kv_rows, hidden)),
             ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)))})
         expected.update({blk + name + ".weight": (shape, types) for name, shape, types in mlp})
-        if architecture in HEAD_NORM_ARCHITECTURES:
+        if arch.head_norms:
             expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
                              for part in "qk"})
         for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-            if f"{blk}attn_{part}.bias" in present:
+            if arch.attention_biases and f"{blk}attn_{part}.bias" in present:
                 expected[f"{blk}attn_{part}.bias"] = ((rows,), NORM_TYPES)
     if ROPE_FREQS in present:  # a factor per rotated pair of dimensions
         expected[ROPE_FREQS] = ((head_dim // 2,), NORM_TYPES)
     return expected
 
 
-def check_model_tensors(reader: GGUFFile, path: Path, architecture: str) -> Sizes:
+def check_model_tensors(reader: GGUFFile, path: Path, arch: Architecture) -> Sizes:
     """The validation pass before anything is built from the file, and before any C call: every
     tensor the architecture reads is present, of a type it may have, of the shape its metadata's
     sizes say. One `GGUFError` naming the tensor, the expected and the found shape otherwise.
     Returns the sizes (`load_gguf` checks transformers' config against them)."""
-    sizes = model_sizes(reader, path, architecture)
+    sizes = model_sizes(reader, path, arch)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
 
     def shape(name: str) -> tuple[int, ...]:
@@ -1113,14 +791,13 @@ def check_model_tensors(reader: GGUFFile, path: Path, architecture: str) -> Size
 
     present = set(by_name)
     expected = (expected_qwen35_tensors(qwen35_config(reader, path))
-                if architecture in QWEN35_ARCHITECTURES else
-                expected_tensors(sizes, architecture, present))
+                if arch.recurrent_layers else expected_tensors(sizes, arch, present))
     for name, (wanted, types) in expected.items():
         check(name, wanted, types)
     embedding = "token_embd.weight"
     vocab = shape(embedding)[0] if embedding in by_name else 0  # any number of rows
     check(embedding, (vocab, sizes.hidden), SUPPORTED_TYPES)
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = metadata(reader, "tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) > vocab:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' has {vocab} rows for a tokenizer "
                         f"of {len(tokens)} tokens.")
@@ -1138,7 +815,7 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
     file's config is dresd's reading (`gemma3_config`, cheap, so never taken from the cache);
     its tokenizer is transformers' (a sentencepiece vocabulary: its Gemma builder, which
     rebuilds the merges from the tokens' order; a byte-level one: as for Llama files)."""
-    architecture = _field(reader, "general.architecture")
+    architecture = metadata(reader, "general.architecture")
     own = OWN_CONFIGS[architecture](reader, path) if architecture in OWN_CONFIGS else None
     with open(path, "rb") as file:
         key = hashlib.sha256(file.read(reader.data_offset))
@@ -1168,7 +845,7 @@ def with_chat_template(tokenizer: PreTrainedTokenizerBase,
     """The tokenizer with the file's own chat template (`tokenizer.chat_template`), which
     transformers' GGUF reading leaves out: without it a chat prompt went to the model as raw
     text (the default model's Q4_1 file answered "What is 2 plus 3?" with its end of turn)."""
-    template = _field(reader, "tokenizer.chat_template")
+    template = metadata(reader, "tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = str(template)
     return tokenizer
@@ -1177,46 +854,40 @@ def with_chat_template(tokenizer: PreTrainedTokenizerBase,
 def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str, str]:
     """(model, tokenizer, fingerprint, what runs its linears) for a GGUF file."""
     reader = open_gguf(path)
-    architecture = _field(reader, "general.architecture")
-    if architecture not in ARCHITECTURES:
-        raise GGUFError(f"{path}: architecture {architecture!r} is not one dresd runs from a "
-                        f"GGUF file yet ({', '.join(ARCHITECTURES)}).")
+    arch = spec.of_gguf(metadata(reader, "general.architecture"), str(path))
     if quant.kernel() is None or linear_kernel() is None:
         raise GGUFError(f"{path}: a quantized GGUF model runs on dresd's C kernels, which need "
                         "an x86 CPU with AVX2, FMA and F16C (or AVX-512) and a C compiler; "
                         "this machine has not got them (see `dresd --version`).")
-    if architecture in EXPERT_KERNEL_ARCHITECTURES and experts_kernel() is None:
+    if arch.moe and experts_kernel() is None:
         raise GGUFError(f"{path}: a mixture-of-experts file runs its experts on dresd's C "
                         "kernel (kernels/experts.c), which could not be built here (or "
                         "DRESD_CPU_EXPERTS=0).")
-    sizes = check_model_tensors(reader, path, architecture)
+    sizes = check_model_tensors(reader, path, arch)
     tensors = _Tensors(reader, path)
     config, tokenizer = config_and_tokenizer(path, reader)
-    if architecture in C_DECODER_ARCHITECTURES:
-        config.rope_parameters = file_rope_parameters(reader, path, architecture)
-        if architecture in ("qwen3", "qwen3moe"):  # transformers' qwen3 mapping has no head size
-            config.head_dim = sizes.head_dim
-        if architecture in MOE_ARCHITECTURES:  # what transformers' GGUF mapping leaves out
+    if ROPE_FREQS in tensors and "rope_freqs" not in arch.rope_scaling:
+        raise GGUFError(f"{path}: a {arch.gguf} file with rope_freqs is not one dresd runs.")
+    if arch.gguf not in OWN_CONFIGS:  # what transformers' GGUF mapping reads wrong or not
+        config.rope_parameters = file_rope_parameters(reader, path, arch)
+        config.head_dim = sizes.head_dim  # its qwen3 mapping has none
+        if arch.moe:
             config.num_experts, config.num_experts_per_tok = sizes.experts, sizes.experts_used
             config.moe_intermediate_size = sizes.expert_ffn
-            config.norm_topk_prob = moe_routing(reader, path, architecture)
+            config.norm_topk_prob = moe_routing(reader, path, arch)
             config.mlp_only_layers, config.decoder_sparse_step = [], 1  # every layer's MLP
         if ROPE_FREQS in tensors and config.rope_parameters["rope_type"] == "yarn":
             raise GGUFError(f"{path}: rope_freqs with YaRN scaling is not one dresd runs.")
-    elif ROPE_FREQS in tensors:
-        raise GGUFError(f"{path}: a {architecture} file with rope_freqs is not one dresd runs.")
     if Sizes.of_config(config) != sizes:  # the shapes were checked against these sizes
         raise GGUFError(f"{path}: transformers reads the file's sizes as {Sizes.of_config(config)}"
                         f", dresd as {sizes}; dresd cannot run a file read two ways.")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
-    if architecture == "gemma3":
-        _fill_gemma3(model, tensors)
-    elif architecture in QWEN35_ARCHITECTURES:
+    if arch.recurrent_layers:
         fill_qwen35(model, tensors)
     else:
-        _fill_llama(model, tensors, architecture)
+        _fill_layers(model, tensors, arch)
     decoder = model.model
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
     model.lm_head = tensors.linear(head, out_dtype=torch.float32)
@@ -1241,74 +912,48 @@ def _norm(tensors: _Tensors, name: str, size: int, offset: float = 0.0) -> torch
     return torch.nn.Parameter((values + offset).to(torch.bfloat16), requires_grad=False)
 
 
-def _fill_llama(model: PreTrainedModel, tensors: _Tensors, architecture: str) -> None:
-    """A Llama, Qwen2 or Qwen3 model's layers from the file (the C decoder then runs them).
-    Only Llama files have their q and k rows permuted (llama.cpp ropes Qwen NEOX-style)."""
-    config, decoder = model.config, model.model
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q_rows = k_rows = None
-    if architecture == "llama":  # undo the converter's q/k row permutation
-        q_rows = unpermute_rows(heads * head_dim, heads)
-        k_rows = unpermute_rows(kv_heads * head_dim, kv_heads)
+def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) -> None:
+    """The layers of a model the C decoder runs (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma-3),
+    filled from the file as its spec declares them. The file's tensors, as llama.cpp's
+    converter wrote them (shapes checked before: `check_model_tensors`):
 
-    def norm(name: str) -> torch.nn.Parameter:
-        return torch.nn.Parameter(tensors.floats(name).to(torch.bfloat16), requires_grad=False)
-
-    decoder.embed_tokens = tensors.embedding("token_embd.weight")
-    for i, layer in enumerate(decoder.layers):
-        blk = f"blk.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm.weight = norm(blk + "attn_norm.weight")
-        layer.post_attention_layernorm.weight = norm(blk + "ffn_norm.weight")
-        attn.q_proj = tensors.linear(blk + "attn_q.weight", q_rows, blk + "attn_q.bias")
-        attn.k_proj = tensors.linear(blk + "attn_k.weight", k_rows, blk + "attn_k.bias")
-        attn.v_proj = tensors.linear(blk + "attn_v.weight", None, blk + "attn_v.bias")
-        attn.o_proj = tensors.linear(blk + "attn_output.weight")
-        if architecture in MOE_ARCHITECTURES:
-            layer.mlp = tensors.experts(blk, config.num_experts_per_tok, config.norm_topk_prob)
-        else:
-            mlp.gate_proj = tensors.linear(blk + "ffn_gate.weight")
-            mlp.up_proj = tensors.linear(blk + "ffn_up.weight")
-            mlp.down_proj = tensors.linear(blk + "ffn_down.weight")
-        if architecture in HEAD_NORM_ARCHITECTURES:  # per-head q and k norms, before the rope
-            attn.q_norm.weight = norm(blk + "attn_q_norm.weight")
-            attn.k_norm.weight = norm(blk + "attn_k_norm.weight")
-    decoder.norm.weight = norm("output_norm.weight")
-
-
-def _fill_gemma3(model: PreTrainedModel, tensors: _Tensors) -> None:
-    """A `Gemma3ForCausalLM`'s layers from the file, as llama.cpp's converter wrote them
-    (gguf-py's tensor_mapping: input_layernorm -> attn_norm, pre_feedforward_layernorm ->
-    ffn_norm, post_attention_layernorm -> post_attention_norm, post_feedforward_layernorm ->
-    post_ffw_norm, q_norm/k_norm -> attn_q_norm/attn_k_norm).
-
-    - Norms: the converter stores Gemma3RMSNorm's weight plus one (`norm_shift`: the model
-      multiplies by 1 + weight, llama.cpp by the stored value), so one is taken off again;
-      a bf16 checkpoint's weights come back exactly.
-    - q and k: rows as they are (no permutation: llama.cpp ropes Gemma NEOX-style).
-    - Shapes: checked before, with every other tensor's (`check_model_tensors`).
-    - Embedding: scaled by sqrt(hidden size) as Gemma3TextScaledWordEmbedding and llama.cpp
-      scale it, in float32 before the rows round to bf16; the LM head is the same tensor
-      (tied) unless the file has output.weight.
+    - norms: `arch.layer_norms` (Gemma: four a layer), and q/k norms per head where
+      `arch.head_norms`. Where `arch.stored_plus_one` (Gemma) the converter stored the
+      weight plus one (the model multiplies by 1 + weight, llama.cpp by the stored value), so
+      one is taken off again: a bf16 checkpoint's weights come back exactly.
+    - q and k: rows permuted by the converter where `arch.permuted_qk` (it ropes Llama in
+      pairs; Qwen and Gemma NEOX-style, as transformers does): `unpermute_rows` undoes it.
+      Biases where `arch.attention_biases` and the file has them.
+    - MLP: gate, up and down, or (`arch.moe`) the router and the experts, run in C.
+    - embedding: scaled by sqrt(hidden size) where `arch.embedding_scale`, in float32 before
+      the rows round to bf16 (as Gemma3TextScaledWordEmbedding and llama.cpp scale it).
     """
     config, decoder = model.config, model.model
-    hidden, head_dim = config.hidden_size, config.head_dim
-    decoder.embed_tokens = tensors.embedding("token_embd.weight", scale=hidden ** 0.5)
+    hidden, heads, kv_heads = (config.hidden_size, config.num_attention_heads,
+                               config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    offset = -1.0 if arch.stored_plus_one else 0.0
+    q_rows = k_rows = None
+    if arch.permuted_qk:  # undo the converter's q/k row permutation
+        q_rows = unpermute_rows(heads * head_dim, heads)
+        k_rows = unpermute_rows(kv_heads * head_dim, kv_heads)
+    decoder.embed_tokens = tensors.embedding(
+        "token_embd.weight", scale=hidden ** 0.5 if arch.embedding_scale else 1.0)
     for i, layer in enumerate(decoder.layers):
         blk = f"blk.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm.weight = _norm(tensors, blk + "attn_norm.weight", hidden, -1.0)
-        layer.post_attention_layernorm.weight = _norm(
-            tensors, blk + "post_attention_norm.weight", hidden, -1.0)
-        layer.pre_feedforward_layernorm.weight = _norm(tensors, blk + "ffn_norm.weight",
-                                                       hidden, -1.0)
-        layer.post_feedforward_layernorm.weight = _norm(tensors, blk + "post_ffw_norm.weight",
-                                                        hidden, -1.0)
-        attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, -1.0)
-        attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, -1.0)
-        for part, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
-                           ("o_proj", "attn_output")):
-            setattr(attn, part, tensors.linear(f"{blk}{name}.weight"))
-        fill_gated_mlp(mlp, tensors, blk)
-    decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, -1.0)
+        for name, module in arch.layer_norms:
+            getattr(layer, module).weight = _norm(tensors, f"{blk}{name}.weight", hidden, offset)
+        attn = layer.self_attn
+        for part, name, rows in (("q_proj", "q", q_rows), ("k_proj", "k", k_rows),
+                                 ("v_proj", "v", None)):
+            bias = f"{blk}attn_{name}.bias" if arch.attention_biases else None
+            setattr(attn, part, tensors.linear(f"{blk}attn_{name}.weight", rows, bias))
+        attn.o_proj = tensors.linear(blk + "attn_output.weight")
+        if arch.head_norms:  # per-head q and k norms, before the rope
+            attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, offset)
+            attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, offset)
+        if arch.moe:
+            layer.mlp = tensors.experts(blk, config.num_experts_per_tok, config.norm_topk_prob)
+        else:
+            fill_gated_mlp(layer.mlp, tensors, blk)
+    decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, offset)

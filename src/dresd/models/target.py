@@ -21,11 +21,12 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.device import resolve_device
 from dresd.errors import DresdError
-from dresd.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
 from dresd.fingerprint import model_fingerprint
-from dresd.gguf_model import is_gguf, load_gguf
 from dresd.host import cache_dir
 from dresd.kernels.linear import invariant_linears
+from dresd.models.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
+from dresd.models.gguf import load_gguf
+from dresd.models.gguf_file import is_gguf
 from dresd.wheels import WheelFetchError, file_from_wheel
 
 DEFAULT_MODEL = "default"
@@ -212,7 +213,7 @@ def load_target(
 
 
 def _load_gguf_target(name: str, dtype: str | torch.dtype, device: torch.device) -> Target:
-    """A GGUF file, its weights run as the file holds them (`gguf_model.py`): on the CPU, with
+    """A GGUF file, its weights run as the file holds them (`models/gguf.py`): on the CPU, with
     bf16 activations between the quantized linears."""
     if device.type != "cpu":
         raise ModelError(f"A GGUF model runs on the CPU (asked for {device}).")

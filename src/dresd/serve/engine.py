@@ -49,7 +49,7 @@ from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.drafters.prediction import with_prediction
 from dresd.errors import UserError
 from dresd.metrics import GenerationResult
-from dresd.models import Target
+from dresd.models.target import Target
 from dresd.runner import AR, GenerationSettings, make_request
 
 log = logging.getLogger("dresd.serve")
