@@ -87,3 +87,52 @@ def test_c_and_python_layouts_agree_on_a_groups_bytes(qtype):
     layout = quant.LAYOUTS[qtype]
     for k in (256, 512, 2048, 6912):
         assert quant.kernel().dresd_quant_group_bytes(layout.number, k) == layout.group_bytes(k)
+
+
+def mapped_kb(path) -> int:
+    """This process's resident kB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:  # a mapping's header
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="no madvise")
+def test_packing_in_slices_lets_a_read_only_files_pages_go(tmp_path, monkeypatch):
+    """A big tensor is packed a slice at a time, each slice's file pages dropped once packed
+    (Gemma-3's 320 MB tied head no longer resident beside its packed copy): the same bytes as
+    numpy's `pack`, the mapping's pages gone after, its values still the file's."""
+    qtype, n, k = Q.Q5_0, 1000, 1024  # 704 bytes a row
+    monkeypatch.setattr(quant, "SLICE_BYTES", 64 << 10)  # 64 rows (two groups) a slice
+    raw = formula_blocks(qtype, n, k)
+    path = tmp_path / "tensor.bin"
+    path.write_bytes(raw.tobytes())
+    mapped = np.asarray(np.memmap(path, np.uint8, mode="r").reshape(n, -1))
+    assert int(mapped.sum(dtype=np.int64)) == int(raw.sum(dtype=np.int64))  # every page read
+    assert mapped_kb(path) >= raw.nbytes // 1024
+    packed = quant.pack_blocks(qtype, mapped, n, k)
+    assert torch.equal(packed, quant.pack(qtype, raw, n, k))
+    assert mapped_kb(path) == 0
+    assert np.array_equal(mapped, raw)  # read again from the file
+
+
+def test_packing_in_slices_leaves_memory_that_is_not_the_files_alone(tmp_path, monkeypatch):
+    """An array of its own, and a copy-on-write mapping written to, keep their pages (dropped,
+    they would read as zeros or as the file, not as what they hold)."""
+    qtype, n, k = Q.Q5_0, 300, 1024
+    monkeypatch.setattr(quant, "SLICE_BYTES", 64 << 10)
+    raw = formula_blocks(qtype, n, k)
+    own = raw.copy()
+    assert torch.equal(quant.pack_blocks(qtype, own, n, k), quant.pack(qtype, raw, n, k))
+    assert np.array_equal(own, raw)
+    path = tmp_path / "tensor.bin"
+    path.write_bytes(raw.tobytes())
+    written = np.memmap(path, np.uint8, mode="c").reshape(n, -1)
+    written[:, 2:] ^= 0x5A  # the quants, not the scales
+    expected = quant.pack(qtype, np.array(written), n, k)
+    assert torch.equal(quant.pack_blocks(qtype, np.asarray(written), n, k), expected)
+    assert not np.array_equal(np.asarray(written), raw)
