@@ -465,11 +465,12 @@ def llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def add_converted_metadata(writer: gguf.GGUFWriter, config) -> None:
+def add_converted_metadata(writer: gguf.GGUFWriter, config, extra_blocks: int = 0) -> None:
     """The keys llama.cpp's converter writes for every text model (`TextModel.
-    set_gguf_parameters`), from a transformers config, in its order."""
+    set_gguf_parameters`), from a transformers config, in its order (`extra_blocks`: MTP
+    blocks, counted in block_count)."""
     writer.add_name("tiny converted model")
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + extra_blocks)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     if getattr(config, "intermediate_size", None) is not None:  # none in Qwen3.5-MoE's
@@ -640,9 +641,37 @@ def _tiled_value_heads(weights: np.ndarray, config, size: int, axis: int = 0) ->
     return np.moveaxis(moved.swapaxes(0, 1).reshape(shape), 0, axis)
 
 
-def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) -> Path:
+def qwen35_mtp_weights(model, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random weights of a Qwen3.5 MTP block for `model`, under the names a Qwen3.5
+    checkpoint gives them (`mtp.*`): a full-attention layer (another random model's), the
+    [embedding, state] projection `fc` and the norms, each a bf16 value."""
+    other = qwen35_model(seed=seed, moe=hasattr(model.model.layers[0].mlp, "experts"))
+    full = model.config.layer_types.index("full_attention")
+    weights = {f"mtp.layers.0.{name}": value for name, value in
+               other.model.layers[full].state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    weights["mtp.fc.weight"] = (0.08 * torch.randn(hidden, 2 * hidden, generator=generator))
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{name}.weight"] = 0.1 * torch.randn(hidden, generator=generator)
+    return {name: value.to(torch.bfloat16).float() for name, value in weights.items()}
+
+
+# an MTP block's own tensors: a checkpoint's name -> llama.cpp's, after `blk.{layers}.`
+# (`_QwenMtpMixin.filter_tensors`' remap, then the tensor map)
+QWEN35_MTP_TENSORS = {"mtp.fc.weight": "nextn.eh_proj.weight",
+                      "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+                      "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+                      "mtp.norm.weight": "nextn.shared_head_norm.weight"}
+
+
+def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16,
+                                  mtp: dict[str, torch.Tensor] | None = None) -> Path:
     """`model` (from `qwen35_model`) as llama.cpp's converter writes its folder with
-    `--no-mtp` (`Qwen3_5TextModel`, `Qwen3NextModel.modify_tensors`): norms plus one but the
+    `--no-mtp`, or with `mtp` (`qwen35_mtp_weights`) as it writes a checkpoint that has an MTP
+    block: one more block after the model's layers (`nextn_predict_layers` 1), the block's
+    layer under that index, its own tensors as `QWEN35_MTP_TENSORS` names them
+    (`Qwen3_5TextModel`, `Qwen3NextModel.modify_tensors`): norms plus one but the
     Gated DeltaNet's own, ssm_a = -exp(A_log), the convolution squeezed, value heads tiled,
     2-D weights in `linear_type` (the converter's bf16; another type quantized from them). A
     Qwen3.5-MoE model as `Qwen3_5MoeTextModel` writes it: the router and the shared expert's
@@ -653,7 +682,9 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     value_size = config.linear_value_head_dim
     arch = "qwen35moe" if config.model_type == "qwen3_5_moe_text" else "qwen35"
     writer = gguf.GGUFWriter(str(path), arch)
-    add_converted_metadata(writer, config)
+    add_converted_metadata(writer, config, 1 if mtp else 0)
+    if mtp:
+        writer.add_nextn_predict_layers(1)
     if arch == "qwen35moe":  # `Qwen2MoeModel.set_gguf_parameters`
         for key, value in {"expert_count": config.num_experts,
                            "expert_used_count": config.num_experts_per_tok,
@@ -674,12 +705,18 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
     writer.add_rope_dimension_sections([11, 11, 10, 0])
     add_default_tokenizer(writer)
     rng = np.random.default_rng(0)
-    for name, value in model.state_dict().items():
+    layers = config.num_hidden_layers
+    tensors = dict(model.state_dict())
+    for name, value in (mtp or {}).items():  # the block's layer: one more layer index
+        tensors[name.replace("mtp.layers.0.", f"model.layers.{layers}.")] = value
+    for name, value in tensors.items():
         weights = value.float().numpy()
         if ".mlp.gate." in name or ".mlp.experts." in name:  # the router, the routed experts
             _add_experts(writer, name, weights, linear_type)
             continue
-        if name in TOP_TENSORS:
+        if name in QWEN35_MTP_TENSORS:
+            gguf_name = f"blk.{layers}.{QWEN35_MTP_TENSORS[name]}"
+        elif name in TOP_TENSORS:
             gguf_name = TOP_TENSORS[name]
         else:
             _, _, index, rest = name.split(".", 3)
@@ -700,7 +737,7 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16) ->
                 weights = _tiled_value_heads(weights, config, 1)
             elif part.endswith("out_proj"):
                 weights = _tiled_value_heads(weights, config, value_size, axis=1)
-        if name.endswith("norm.weight") and "linear_attn" not in name:
+        if gguf_name.endswith("norm.weight") and "ssm_norm" not in gguf_name:  # as it checks
             weights = weights + 1
         if weights.ndim == 1 or "conv1d" in name or "shared_expert_gate" in name:
             writer.add_tensor(gguf_name, np.ascontiguousarray(weights, dtype=np.float32))

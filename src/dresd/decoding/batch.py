@@ -123,6 +123,7 @@ class Running:
     started: float
     prefilled: int = 0  # prompt tokens in the cache so far
     query: torch.Tensor | None = None  # the hidden state that predicted the last token
+    recent: torch.Tensor | None = None  # [k, d]: the states the last step kept, ending in query
     tree: DraftTree | None = None  # this step's tree
     drafted_tree: DraftTree | None = None  # the tree as drafted, before the budget cut it
     draft_seconds: float = 0.0
@@ -316,7 +317,7 @@ class BatchEngine:
         self._cache_prefix(state, state.prompt_len)
         # 3a. The prompt's last position gives the first token.
         state.result.prefill_seconds = clock(self.device) - state.started
-        state.query = output.hidden[-1]
+        state.query, state.recent = output.hidden[-1], output.hidden
         state.states.append(output.hidden[-1:])
         emitted = [self._choose(state, output)]
         self._record(state, output, [-1], emitted)
@@ -402,7 +403,8 @@ class BatchEngine:
         drafts = []
         if state.drafted:
             context = DraftContext(state.context[: state.n], state.query, max_draft_len,
-                                   decoding, *self.last_step_output)
+                                   decoding, *self.last_step_output,
+                                   hidden_states=state.recent)
             drafts = [d[:max_draft_len] for d in request.drafter.propose(context) if len(d) > 0]
         root = int(state.context[state.n - 1])
         forced: list[int] = []
@@ -489,8 +491,8 @@ class BatchEngine:
                                      state.draft_seconds + row_seconds)
         # 4. Only the accepted path stays in the cache; its last state is the next query.
         self.forward.keep(state.cache, segment.start, path)
-        state.query = output.hidden[path[-1]]
-        state.states.append(output.hidden[path])
+        state.query, state.recent = output.hidden[path[-1]], output.hidden[path]
+        state.states.append(state.recent)
         state.result.steps.append(StepRecord(
             num_drafted=tree.num_drafted,
             num_accepted=len(path) - 1,

@@ -53,6 +53,10 @@ class DraftContext:
     batch_size: int = 1
     batch_tokens: int = 0
     batch_seconds: float = 0.0
+    # [k, d]: the hidden states of the k positions before the bonus token that the last step
+    # kept (its accepted path; after the prompt, its last chunk's rows), ending with
+    # `hidden_state`; for a drafter that follows every position (MTP). None: only the last.
+    hidden_states: torch.Tensor | None = None
 
 
 class Candidate(NamedTuple):

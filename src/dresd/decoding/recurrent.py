@@ -28,7 +28,7 @@ would depend on where a chunk starts), and every other step of a row reads the r
 before it, under every method, chunk size and batch, and every method's output is `ar`'s.
 
 The full-attention layers run transformers' attention module on this sequence's KV buffer
-(`_LayerCache`) with the tree's mask. Segments run one after another.
+(`LayerCache`) with the tree's mask. Segments run one after another.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class RecurrentSequence:
         self.kv.reserve(rows)
 
 
-class _LayerCache:
+class LayerCache:
     """What transformers' attention module calls `update` on: writes one segment's keys and
     values into the sequence's KV buffer and returns every key and value the rows see."""
 
@@ -223,7 +223,7 @@ class GatedDeltaNetForward:
         for index, layer in enumerate(self.decoder.layers):
             normed = layer.input_layernorm(hidden)
             if index in self.kv_index:
-                cache = _LayerCache(sequence.kv, self.kv_index[index], segment.start)
+                cache = LayerCache(sequence.kv, self.kv_index[index], segment.start)
                 mixed, _ = layer.self_attn(hidden_states=normed, position_embeddings=rope,
                                            attention_mask=mask, cache=cache)
             else:

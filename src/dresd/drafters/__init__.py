@@ -7,6 +7,7 @@ from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.hybrid import HybridDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
 from dresd.drafters.model import DraftModelDrafter
+from dresd.drafters.mtp import MTPDrafter
 from dresd.drafters.none import NoDrafter
 from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
@@ -21,6 +22,7 @@ DRAFTERS: dict[str, type] = {
     "rest": RestDrafter,  # needs datastore=DIR
     "suffix": SuffixDrafter,  # SuffixDecoding: suffix tries over the request and past outputs
     "hybrid": HybridDrafter,  # PLD, and REST / DReSD from datastore=DIR if given
+    "mtp": MTPDrafter,  # the target's own MTP block (a Qwen3.5 GGUF file that keeps one)
 }
 
 
@@ -34,5 +36,5 @@ def make_drafter(method: str, **options) -> Drafter:
 
 
 __all__ = ["DRAFTERS", "Candidate", "DenseDrafter", "Draft", "DraftContext", "DraftModelDrafter",
-           "Drafter", "HybridDrafter", "NoDrafter", "PromptLookupDrafter", "RestDrafter",
-           "SuffixDrafter", "make_drafter"]
+           "Drafter", "HybridDrafter", "MTPDrafter", "NoDrafter", "PromptLookupDrafter",
+           "RestDrafter", "SuffixDrafter", "make_drafter"]

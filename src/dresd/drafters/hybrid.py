@@ -80,10 +80,12 @@ from dresd.datastore.sparse_store import kinds
 from dresd.decoding.drafter import Candidate, Draft, DraftContext, Drafter
 from dresd.drafters.dense import DenseDrafter
 from dresd.drafters.lookup import PromptLookupDrafter
+from dresd.drafters.mtp import MTPDrafter
 from dresd.drafters.rest import RestDrafter
 from dresd.drafters.suffix import SuffixDrafter
 from dresd.errors import UserError
 from dresd.kernels import drafting
+from dresd.models.mtp import MultiTokenPredictor
 from dresd.models.target import Target
 
 
@@ -471,6 +473,9 @@ class HybridOptions:
     # finished outputs kept: None (default) by suffix only; True by suffix, REST and DReSD;
     # False by none
     learn: bool | None = None
+    # the target's own multi-token prediction block as one more source, where it has one
+    # (a Qwen3.5 GGUF file that keeps it: drafters/mtp.py)
+    mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.neighbours < 1:
@@ -542,7 +547,11 @@ class HybridDrafter(HybridOptions, Drafter):
         return forked
 
     def check_target(self, target: Target) -> None:
-        """Refuse stores of another model; take this machine's verify-cost curve."""
+        """Refuse stores of another model; take the target's MTP block as a source where it
+        has one; take this machine's verify-cost curve."""
+        if self.mtp and "mtp" not in self.sources and \
+                isinstance(getattr(target.model, "mtp", None), MultiTokenPredictor):
+            self.sources["mtp"] = MTPDrafter()  # asked source by source (no kernel plan)
         for source in self.sources.values():
             source.check_target(target)
         if self.cost is None:

@@ -86,6 +86,7 @@ from dresd.models.gguf_file import (
     open_gguf,
     token_rows,
 )
+from dresd.models.mtp import MultiTokenPredictor
 from dresd.models.spec import Architecture
 
 
@@ -363,7 +364,9 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
 #   the file's tiled order and read their query and key heads tiled too
 #   (`TILED_VALUE_HEADS`): the same sums, in llama.cpp's head order.
 # - `attn_q` holds each head's query and output gate side by side, as transformers' q_proj.
-# - NextN/MTP layers (`nextn_predict_layers`) are counted in `block_count`; they are not read.
+# - NextN/MTP layers (`nextn_predict_layers`) are counted in `block_count`, after the model's
+#   own: a file's one MTP block (`blk.{n}.nextn.*` and a full-attention layer's tensors at
+#   index n) becomes `models/mtp.MultiTokenPredictor` (`mtp_block`), a draft source.
 # - `qwen35moe` (`Qwen3_5MoeTextModel`, whose experts `Qwen2MoeModel` writes): the router
 #   `ffn_gate_inp` and the shared expert's gate `ffn_gate_inp_shexp` in F32, the routed experts
 #   as 3-D `ffn_{gate,up,down}_exps`, the shared expert as `ffn_{gate,up,down}_shexp`; the
@@ -384,7 +387,11 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig | Qwen3_5Mo
     architecture = metadata(reader, "general.architecture")
     key = f"{architecture}.{{}}".format
     blocks = metadata_size(reader, path, key("block_count"))
-    layers = blocks - int(metadata_number(reader, path, key("nextn_predict_layers"), 0))
+    mtp_layers = int(metadata_number(reader, path, key("nextn_predict_layers"), 0))
+    if mtp_layers > 1:
+        raise GGUFError(f"{path}: {mtp_layers} MTP blocks; dresd reads one (as llama.cpp "
+                        "does).")
+    layers = blocks - mtp_layers
     heads = metadata_size(reader, path, key("attention.head_count"))
     head_dim = metadata_size(reader, path, key("attention.key_length"))
     value_heads = metadata_size(reader, path, key("ssm.time_step_rank"))
@@ -420,7 +427,7 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig | Qwen3_5Mo
     else:
         config_class = Qwen3_5TextConfig
         mlp = dict(intermediate_size=metadata_size(reader, path, key("feed_forward_length")))
-    return config_class(
+    config = config_class(
         vocab_size=token_rows(reader, path),
         hidden_size=metadata_size(reader, path, key("embedding_length")),
         **mlp,
@@ -446,12 +453,16 @@ def qwen35_config(reader: GGUFFile, path: Path) -> Qwen3_5TextConfig | Qwen3_5Mo
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos,
         pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
+    # as Qwen3.5's own config.json names it (transformers' config has no such field)
+    config.mtp_num_hidden_layers = mtp_layers
+    return config
 
 
 def expected_qwen35_tensors(config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig,
-                            ) -> dict[str, tuple[tuple[int, ...], set]]:
-    """Every tensor a qwen35 (or qwen35moe) file's layers read: shape (outer size first) and
-    allowed types."""
+                            present: set[str]) -> dict[str, tuple[tuple[int, ...], set]]:
+    """Every tensor a qwen35 (or qwen35moe) file's layers read, and its MTP block's where
+    it has one (its own embedding, head and head norm where `present` has them): shape (outer
+    size first) and allowed types."""
     hidden, head_dim = config.hidden_size, config.head_dim
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
     value_dim = config.linear_num_value_heads * config.linear_value_head_dim
@@ -484,52 +495,101 @@ def expected_qwen35_tensors(config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig,
     norms = {"attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
              **mlp_floats}
     expected = {"output_norm.weight": ((hidden,), NORM_TYPES)}
-    for i, kind in enumerate(config.layer_types):
+    layers = len(config.layer_types)
+    mtp = ["full_attention"] * getattr(config, "mtp_num_hidden_layers", 0)
+    for i, kind in enumerate([*config.layer_types, *mtp]):
         blk = f"blk.{i}."
         weights, floats = (linear, small) if kind == "linear_attention" else (full, full_small)
         expected.update({blk + n: (s, SUPPORTED_TYPES) for n, s in (weights | mlp).items()})
         expected.update({blk + n: (s, NORM_TYPES) for n, s in (floats | norms).items()})
+        if i < layers:
+            continue
+        # the MTP block: [embedding, state] -> hidden, its norms; its own embedding, head and
+        # head norm are optional (the model's are used where it has none)
+        expected[blk + "nextn.eh_proj.weight"] = ((hidden, 2 * hidden), SUPPORTED_TYPES)
+        for name in ("enorm", "hnorm", "shared_head_norm"):
+            if name != "shared_head_norm" or f"{blk}nextn.{name}.weight" in present:
+                expected[f"{blk}nextn.{name}.weight"] = ((hidden,), NORM_TYPES)
+        for name in ("embed_tokens", "shared_head_head"):
+            if f"{blk}nextn.{name}.weight" in present:
+                expected[f"{blk}nextn.{name}.weight"] = ((config.vocab_size, hidden),
+                                                          SUPPORTED_TYPES)
     return expected
 
 
 def fill_qwen35(model: PreTrainedModel, tensors: _Tensors) -> None:
     """A `Qwen3_5ForCausalLM` (built on the meta device) takes the file's tensors (module doc)."""
     config, decoder = model.config, model.model
-    hidden, head_dim = config.hidden_size, config.head_dim
     decoder.embed_tokens = tensors.embedding("token_embd.weight")
     for i, layer in enumerate(decoder.layers):
-        blk = f"blk.{i}."
-        layer.input_layernorm.weight = _norm(tensors, blk + "attn_norm.weight", hidden, -1.0)
-        layer.post_attention_layernorm.weight = _norm(
-            tensors, blk + "post_attention_norm.weight", hidden, -1.0)
-        if isinstance(config, Qwen3_5MoeTextConfig):
-            layer.mlp = shared_expert_moe(layer.mlp.shared_expert, tensors, blk,
-                                          config.num_experts_per_tok)
-        else:
-            fill_gated_mlp(layer.mlp, tensors, blk)
-        if config.layer_types[i] == "full_attention":
-            attn = layer.self_attn
-            attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, -1.0)
-            attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, -1.0)
-            for part, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
-                               ("o_proj", "attn_output")):
-                setattr(attn, part, tensors.linear(f"{blk}{name}.weight"))
-            continue
-        mixer = layer.linear_attn
-        for part, name in (("in_proj_qkv", "attn_qkv"), ("in_proj_z", "attn_gate"),
-                           ("in_proj_b", "ssm_beta"), ("in_proj_a", "ssm_alpha"),
-                           ("out_proj", "ssm_out")):
-            setattr(mixer, part, tensors.linear(f"{blk}{name}.weight"))
-        negative_a = tensors.floats(blk + "ssm_a")
-        if not bool((negative_a < 0).all()):
-            raise GGUFError(f"{tensors.path}: {blk}ssm_a holds values >= 0; it is -exp(A_log).")
-        mixer.A_log = _float32(torch.log(-negative_a))
-        mixer.dt_bias = _float32(tensors.floats(blk + "ssm_dt.bias"))
-        mixer.conv1d.weight = _float32(tensors.floats(blk + "ssm_conv1d.weight").reshape(
-            mixer.conv_dim, 1, mixer.conv_kernel_size))
-        mixer.norm.weight = _norm(tensors, blk + "ssm_norm.weight", mixer.head_v_dim)
-        setattr(mixer, TILED_VALUE_HEADS, mixer.num_v_heads != mixer.num_k_heads)
-    decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, -1.0)
+        _fill_qwen35_layer(layer, tensors, f"blk.{i}.", config, config.layer_types[i])
+    decoder.norm.weight = _norm(tensors, "output_norm.weight", config.hidden_size, -1.0)
+
+
+def _fill_qwen35_layer(layer: torch.nn.Module, tensors: _Tensors, blk: str, config,
+                       kind: str) -> None:
+    """One Qwen3.5 layer (`kind`: full or linear attention) from the file's `blk` tensors."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    layer.input_layernorm.weight = _norm(tensors, blk + "attn_norm.weight", hidden, -1.0)
+    layer.post_attention_layernorm.weight = _norm(
+        tensors, blk + "post_attention_norm.weight", hidden, -1.0)
+    if isinstance(config, Qwen3_5MoeTextConfig):
+        layer.mlp = shared_expert_moe(layer.mlp.shared_expert, tensors, blk,
+                                      config.num_experts_per_tok)
+    else:
+        fill_gated_mlp(layer.mlp, tensors, blk)
+    if kind == "full_attention":
+        attn = layer.self_attn
+        attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, -1.0)
+        attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, -1.0)
+        for part, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                           ("o_proj", "attn_output")):
+            setattr(attn, part, tensors.linear(f"{blk}{name}.weight"))
+        return
+    mixer = layer.linear_attn
+    for part, name in (("in_proj_qkv", "attn_qkv"), ("in_proj_z", "attn_gate"),
+                       ("in_proj_b", "ssm_beta"), ("in_proj_a", "ssm_alpha"),
+                       ("out_proj", "ssm_out")):
+        setattr(mixer, part, tensors.linear(f"{blk}{name}.weight"))
+    negative_a = tensors.floats(blk + "ssm_a")
+    if not bool((negative_a < 0).all()):
+        raise GGUFError(f"{tensors.path}: {blk}ssm_a holds values >= 0; it is -exp(A_log).")
+    mixer.A_log = _float32(torch.log(-negative_a))
+    mixer.dt_bias = _float32(tensors.floats(blk + "ssm_dt.bias"))
+    mixer.conv1d.weight = _float32(tensors.floats(blk + "ssm_conv1d.weight").reshape(
+        mixer.conv_dim, 1, mixer.conv_kernel_size))
+    mixer.norm.weight = _norm(tensors, blk + "ssm_norm.weight", mixer.head_v_dim)
+    setattr(mixer, TILED_VALUE_HEADS, mixer.num_v_heads != mixer.num_k_heads)
+
+
+def mtp_block(model: PreTrainedModel, tensors: _Tensors) -> MultiTokenPredictor:
+    """The file's MTP block (`models/mtp.py`; the module comment above says how it is stored),
+    on a model whose own layers, head and rotary embedding are filled. Its layer is one of the
+    model's full-attention layer class, filled as those are; its embedding, head and head norm
+    are the model's where the file has none of its own (llama.cpp's rule)."""
+    config, decoder = model.config, model.model
+    hidden, blk = config.hidden_size, f"blk.{len(config.layer_types)}."
+    full = config.layer_types.index("full_attention")  # its config index: attention's kind
+    with torch.device("meta"):
+        layer = type(decoder.layers[full])(config, full)
+    _fill_qwen35_layer(layer, tensors, blk, config, "full_attention")
+
+    def norm(name: str) -> torch.nn.Module:
+        module = type(decoder.norm)(hidden, eps=config.rms_norm_eps)
+        module.weight = _norm(tensors, f"{blk}nextn.{name}.weight", hidden, -1.0)
+        return module
+
+    def own(name: str) -> bool:
+        return f"{blk}nextn.{name}.weight" in tensors
+
+    embed = (tensors.embedding(f"{blk}nextn.embed_tokens.weight") if own("embed_tokens")
+             else decoder.embed_tokens)
+    head = (tensors.linear(f"{blk}nextn.shared_head_head.weight", out_dtype=torch.float32)
+            if own("shared_head_head") else model.lm_head)
+    head_norm = norm("shared_head_norm") if own("shared_head_norm") else decoder.norm
+    return MultiTokenPredictor(embed, norm("enorm"), norm("hnorm"),
+                               tensors.linear(f"{blk}nextn.eh_proj.weight"), layer, head_norm,
+                               head, decoder.rotary_emb)
 
 
 class SharedExpertMoE(torch.nn.Module):
@@ -790,7 +850,7 @@ def check_model_tensors(reader: GGUFFile, path: Path, arch: Architecture) -> Siz
                             f"metadata needs {wanted} (outer size first).")
 
     present = set(by_name)
-    expected = (expected_qwen35_tensors(qwen35_config(reader, path))
+    expected = (expected_qwen35_tensors(qwen35_config(reader, path), present)
                 if arch.recurrent_layers else expected_tensors(sizes, arch, present))
     for name, (wanted, types) in expected.items():
         check(name, wanted, types)
@@ -895,6 +955,8 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
         decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     if ROPE_FREQS in tensors:  # Llama 3.1-3.3's scaling, as the converter stores it
         divide_rope_frequencies(decoder.rotary_emb, tensors.floats(ROPE_FREQS))
+    if getattr(config, "mtp_num_hidden_layers", 0):  # a draft source (drafters/mtp.py)
+        model.mtp = mtp_block(model, tensors)
     left = [name for name, value in [*model.named_parameters(), *model.named_buffers()]
             if value is not None and value.is_meta]
     if left:
