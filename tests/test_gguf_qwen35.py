@@ -37,6 +37,7 @@ from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import TILED_VALUE_HEADS, GatedDeltaNetForward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
 from dresd.kernels import quant
+from dresd.models.fastpath import attention_name
 from dresd.models.gguf import SharedExpertMoE
 from dresd.models.gguf_file import describe, open_gguf
 from dresd.models.target import load_target
@@ -63,6 +64,10 @@ def target(path):
 
 def test_the_file_runs_on_the_recurrent_forward(target, path):
     assert isinstance(make_forward(target.model), GatedDeltaNetForward)
+    # its activations are bf16 though its decays are float32 parameters: the attention must be
+    # the batch-invariant one (it was SDPA, and a 20-node tree's root differed from `ar`'s)
+    assert target.dtype == torch.bfloat16
+    assert attention_name(target.model).startswith("invariant")
     mixer = target.model.model.layers[0].linear_attn
     assert getattr(mixer, TILED_VALUE_HEADS) and mixer.num_v_heads == 2 * mixer.num_k_heads
     described = describe(open_gguf(path))

@@ -26,6 +26,7 @@ from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import GatedDeltaNetForward
+from dresd.decoding.segments import Segment
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
 from dresd.errors import DresdError
 from dresd.models.target import default_model_dir, load_target
@@ -155,3 +156,31 @@ def test_other_recurrent_models_are_refused():
     model = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(DresdError, match="recurrent state"):
         make_forward(model)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(tmp_path, moe):
+    """40 tokens as one chunk, and the same tokens one forward each: every row's hidden state
+    and every layer's state after them bit for bit the same. (PyTorch's float32 sigmoid, SiLU
+    and softplus round a tensor's last few elements on a scalar path and the rest on a
+    vector one: with them, the decay of a row computed alone differed from the same row's in a
+    chunk, and a tree's tokens from `ar`'s on a 16-head model.)"""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tiny_qwen35(moe=moe, vocab=len(tokenizer)).save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype="bfloat16")
+    forward = make_forward(target.model)
+    tokens = np.random.default_rng(2).integers(0, len(tokenizer), 48).tolist()
+    prompt, rest = tokens[:8], tokens[8:]
+    runs = []
+    for chunks in ([rest], [[token] for token in rest]):
+        sequence = forward.new_sequence()
+        forward([Segment(sequence, prompt, 0, logits_rows="none")])
+        hidden, start = [], len(prompt)
+        for chunk in chunks:
+            hidden.append(forward([Segment(sequence, chunk, start, logits_rows="none")])[0].hidden)
+            start += len(chunk)
+        runs.append((torch.cat(hidden), sequence))
+    (chunked, one), (single, each) = runs
+    assert torch.equal(chunked, single)
+    for a, b in zip(one.linear, each.linear, strict=True):
+        assert torch.equal(a.conv, b.conv) and torch.equal(a.recurrent, b.recurrent)

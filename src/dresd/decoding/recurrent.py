@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dresd.decoding.kv_cache import SequenceKV
@@ -60,6 +59,36 @@ def has_recurrent_layers(model: PreTrainedModel) -> bool:
     types = getattr(config, "layer_types", None) or ()
     return any(kind in RECURRENT_LAYERS for kind in types) or bool(
         getattr(config, "layers_block_type", None))
+
+
+# PyTorch's float32 sigmoid, SiLU and softplus compute most of a tensor's elements on a vector
+# path and its last few (a tensor's tail; a one-row call's every element) on a scalar one, and
+# the two round differently (measured: ~4% of sigmoid's outputs, ~11% of softplus's differ by an
+# ulp). A row's decay would then depend on how many rows shared its call, and a tree's tokens
+# drifted from `ar`'s. These are written with exp, log1p, + and / only, which give the same bits
+# on both paths: each row's bits its own.
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def row_silu(x: torch.Tensor) -> torch.Tensor:
+    return x * row_sigmoid(x)
+
+
+def row_softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^x), x itself above 20 (as `F.softplus`'s threshold)."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
+
+
+def gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """transformers' `Qwen3_5RMSNormGated` (RMSNorm per head, then times SiLU(gate), both in
+    float32), its SiLU `row_silu`."""
+    dtype = x.dtype
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    normed = norm.weight * normed.to(dtype)
+    return (normed * row_silu(gate.float())).to(dtype)
 
 
 @dataclass
@@ -284,9 +313,9 @@ class GatedDeltaNetForward:
         rows = x.shape[0]
         conv_in = mixer.in_proj_qkv(x)  # [t, channels]
         gate = mixer.in_proj_z(x).reshape(rows, -1, mixer.head_v_dim)
-        beta = mixer.in_proj_b(x).float().sigmoid()  # [t, value heads]
-        g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float()
-                                                    + mixer.dt_bias.float())
+        beta = row_sigmoid(mixer.in_proj_b(x).float())  # [t, value heads]
+        g = -mixer.A_log.float().exp() * row_softplus(mixer.in_proj_a(x).float()
+                                                      + mixer.dt_bias.float())
         # Each row's convolution window: the K-1 inputs before it on its own path (the kept
         # ones where the path is shorter), then its own. Summed tap by tap in one order, an
         # element-wise op per tap: a row's bits do not depend on the other rows.
@@ -302,7 +331,7 @@ class GatedDeltaNetForward:
         mixed = taps[:, 0] * weight[:, 0]
         for tap in range(1, width + 1):
             mixed = mixed + taps[:, tap] * weight[:, tap]
-        mixed = F.silu(mixed).to(x.dtype)  # as transformers rounds it: to the model's dtype
+        mixed = row_silu(mixed).to(x.dtype)  # as transformers rounds it: to the model's dtype
         q, k, v = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         read = RowInputs(conv_in, q.reshape(rows, -1, mixer.head_k_dim).float(),
                          k.reshape(rows, -1, mixer.head_k_dim).float(),
@@ -314,6 +343,6 @@ class GatedDeltaNetForward:
             conv = inputs[inputs.shape[0] - width:].T.contiguous()
             after = LinearState(conv, recurrent)
         # [t, value heads, value dim] -> gated norm per head -> [t, d]
-        out = mixer.norm(out.to(x.dtype).reshape(-1, mixer.head_v_dim),
+        out = gated_norm(mixer.norm, out.to(x.dtype).reshape(-1, mixer.head_v_dim),
                          gate.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(out.reshape(rows, -1)), read, after

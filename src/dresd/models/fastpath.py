@@ -184,9 +184,17 @@ AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)
 AttentionMaskInterface.register(INVARIANT_ATTENTION, eager_mask)
 
 
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's hidden states are in: its final norm's weight's where it has one
+    (a GGUF file's Qwen3.5 model keeps its decay parameters in float32 and its activations in
+    bf16, so its first parameter does not say it), else its first parameter's."""
+    weight = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else next(model.parameters()).dtype
+
+
 def use_invariant_attention(model: torch.nn.Module) -> bool:
     """Switch a reduced-precision model to `invariant_attention`; True if it took it."""
-    dtype = next(model.parameters()).dtype
+    dtype = activation_dtype(model)
     if dtype not in (torch.bfloat16, torch.float16):
         return False
     try:
@@ -204,5 +212,5 @@ def attention_name(model: torch.nn.Module) -> str:
     if name != INVARIANT_ATTENTION:
         return name
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kernel = cpu_attention.takes(next(model.parameters()).dtype, head_dim)
+    kernel = cpu_attention.takes(activation_dtype(model), head_dim)
     return "invariant (C kernel)" if kernel else "invariant (float64)"

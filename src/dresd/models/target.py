@@ -24,7 +24,12 @@ from dresd.errors import DresdError
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir
 from dresd.kernels.linear import invariant_linears
-from dresd.models.fastpath import prepack_linears, resolve_dtype, use_invariant_attention
+from dresd.models.fastpath import (
+    activation_dtype,
+    prepack_linears,
+    resolve_dtype,
+    use_invariant_attention,
+)
 from dresd.models.gguf import load_gguf
 from dresd.models.gguf_file import is_gguf
 from dresd.wheels import WheelFetchError, file_from_wheel
@@ -66,7 +71,7 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the model computes in."""
-        return next(self.model.parameters()).dtype
+        return activation_dtype(self.model)
 
     @property
     def device(self) -> torch.device:
