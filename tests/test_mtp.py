@@ -74,9 +74,12 @@ def test_the_file_has_a_block_and_a_file_without_has_none(target, model, tmp_pat
     assert not hasattr(plain.model, "mtp")
     with pytest.raises(UserError, match="no-mtp"):
         MTPDrafter().check_target(plain)
-    hybrid = HybridDrafter(cost={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0})
+    hybrid = HybridDrafter(cost={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0}, mtp=True)
     hybrid.check_target(plain)
     assert "mtp" not in hybrid.sources
+    by_default = HybridDrafter(cost={1: 1.0, 2: 1.1})  # asked for only (mtp=True)
+    by_default.check_target(target)
+    assert "mtp" not in by_default.sources
 
 
 @pytest.mark.skipif(llama_cpp_converter() is None,
@@ -236,7 +239,7 @@ def test_mtp_and_hybrid_with_it_give_plain_decodings_tokens(model, mtp_weights, 
     prompts.append([31, 32, 33, 34] * 8)  # repeats: hybrid's other sources draft too
     plain = [speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
                                   max_new_tokens=20).token_ids for prompt in prompts]
-    hybrid = HybridDrafter(cost={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0, 32: 3.0})
+    hybrid = HybridDrafter(cost={1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.0, 32: 3.0}, mtp=True)
     hybrid.check_target(target)
     assert isinstance(hybrid.sources["mtp"], MTPDrafter)
     mtp = MTPDrafter(depth=3)

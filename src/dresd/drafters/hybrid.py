@@ -474,8 +474,10 @@ class HybridOptions:
     # False by none
     learn: bool | None = None
     # the target's own multi-token prediction block as one more source, where it has one
-    # (a Qwen3.5 GGUF file that keeps it: drafters/mtp.py)
-    mtp: bool = True
+    # (a Qwen3.5 GGUF file that keeps it: drafters/mtp.py); off by default until a trained
+    # block is measured: on random weights its drafts are never accepted, and with it hybrid
+    # ran 0.81-0.93x `ar` (the ledger too slow to drop it; benchmarks/results/mtp)
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_len < 1 or self.max_tree_nodes < 1 or self.neighbours < 1:
