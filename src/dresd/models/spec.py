@@ -5,7 +5,9 @@ An `Architecture` says what a model's layers compute, in the terms the C decoder
 (`kernels/decoder.LayerForm` reads its norms and activation from here), and how a GGUF file
 names and stores its tensors (`models/gguf.py` reads the file by it). Both ways in fill the
 same spec: a GGUF file by its `general.architecture`, a transformers folder by its config's
-`model_type`. What is not in the table is refused with one error naming the architecture.
+`model_type`. A GGUF file of an architecture not in the table is refused with one error naming
+it; a transformers folder of another type runs on transformers' own forward (`forward.
+HFForward`), its linears still dresd's.
 
 Sizes (layers, heads, experts) are not here: they are each file's or config's own. The spec is
 what is the same for every model of an architecture.
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 from dresd.errors import DresdError
 
-# The forwards that run a model (`decoding/forward.make_forward` picks one from the spec):
+# The forwards that run a model (`decoding/forward.make_forward` takes the model types each
+# forward's spec entries name):
 C_DECODER = "c_decoder"  # decoding/forward.LlamaForward, its layers in kernels/decoder.c
 RECURRENT = "recurrent"  # decoding/recurrent.GatedDeltaNetForward: a state per tree node
 
