@@ -594,10 +594,11 @@ QWEN35_MOE_SHAPE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_s
                         shared_expert_intermediate_size=96)
 
 
-def qwen35_model(seed: int = 0, moe: bool = False):
-    """A random float32 `Qwen3_5ForCausalLM` of `QWEN35_SHAPE` (with `moe`, a
-    `Qwen3_5MoeForCausalLM` with `QWEN35_MOE_SHAPE`'s experts), every weight a bf16 value:
-    norms near zero (the model multiplies by 1 + weight), decays and step sizes spread."""
+def qwen35_model(seed: int = 0, moe: bool = False, **sizes):
+    """A random float32 `Qwen3_5ForCausalLM` of `QWEN35_SHAPE` (`sizes` replacing some; with
+    `moe`, a `Qwen3_5MoeForCausalLM` with `QWEN35_MOE_SHAPE`'s experts), every weight a bf16
+    value: norms near zero (the model multiplies by 1 + weight), decays and step sizes
+    spread."""
     from transformers import (
         Qwen3_5ForCausalLM,
         Qwen3_5MoeForCausalLM,
@@ -605,13 +606,14 @@ def qwen35_model(seed: int = 0, moe: bool = False):
         Qwen3_5TextConfig,
     )
 
-    layers = len(QWEN35_SHAPE["layer_types"])
+    shape = {**QWEN35_SHAPE, **sizes}
+    layers = len(shape["layer_types"])
     if moe:
-        shape = {k: v for k, v in QWEN35_SHAPE.items() if k != "intermediate_size"}
+        shape.pop("intermediate_size")
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_hidden_layers=layers, **shape,
                                                            **QWEN35_MOE_SHAPE))
     else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(num_hidden_layers=layers, **QWEN35_SHAPE))
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(num_hidden_layers=layers, **shape))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

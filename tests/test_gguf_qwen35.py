@@ -35,6 +35,7 @@ from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
 from dresd.decoding.forward import make_forward
 from dresd.decoding.recurrent import TILED_VALUE_HEADS, GatedDeltaNetForward
+from dresd.decoding.segments import Segment
 from dresd.drafters import NoDrafter, PromptLookupDrafter, SuffixDrafter
 from dresd.kernels import quant
 from dresd.models.fastpath import attention_name
@@ -176,6 +177,54 @@ def test_quantized_file_every_method_is_ar_and_batched_is_alone(model, moe_model
     results = run_batched(target.model, requests, [0, 0, 2, 5], max_batch_size=3,
                           prefill_chunk=8)
     assert [r.token_ids for r in results] == plain
+
+
+def random_tree(rows: int, rng: np.random.Generator) -> tuple[list[int], torch.Tensor]:
+    """Depths and the ancestors mask of a random tree of `rows` nodes (node 0 the root; each
+    later node's parent an earlier node)."""
+    parents, depths = [-1], [0]
+    for row in range(1, rows):
+        parents.append(int(rng.integers(0, row)))
+        depths.append(depths[parents[-1]] + 1)
+    ancestors = torch.zeros(rows, rows, dtype=torch.bool)
+    for row in range(rows):
+        node = row
+        while node >= 0:
+            ancestors[row, node], node = True, parents[node]
+    return depths, ancestors
+
+
+def test_a_wider_files_tree_rows_are_a_steps_bit_for_bit(tmp_path):
+    """A wider model than the others here (16 value heads a Gated DeltaNet layer, attention
+    heads of 256): a 20-node tree's root row is the one-row step's, bit for bit, and random
+    trees give `ar`'s tokens, on its Q4_0 file. (With SDPA in place of the invariant attention,
+    as a qwen35 file once ran, the root row differs; the element-wise ops' row invariance is
+    test_qwen35's `test_a_rows_bits_do_not_depend_on_the_rows_beside_it`.)"""
+    model = qwen35_model(seed=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, linear_num_key_heads=8,
+                         linear_num_value_heads=16, linear_key_head_dim=32,
+                         linear_value_head_dim=32)
+    target = load_target(str(convert_qwen35_like_llama_cpp(
+        model, tmp_path / "wide.gguf", gguf.GGMLQuantizationType.Q4_0)))
+    forward = make_forward(target.model)
+    rng = np.random.default_rng(3)
+    for prompt in [rng.integers(0, VOCAB, size).tolist() for size in (12, 64)]:
+        tokens = rng.integers(0, VOCAB, 20).tolist()
+        depths, ancestors = random_tree(20, rng)
+        rows = []
+        for segment in ([tokens[0]], None, None), (tokens, depths, ancestors):
+            sequence = forward.new_sequence()
+            forward([Segment(sequence, prompt, 0, logits_rows="none")])
+            rows.append(forward([Segment(sequence, segment[0], len(prompt), depths=segment[1],
+                                         ancestors=segment[2])])[0].hidden[0])
+        assert torch.equal(rows[0], rows[1])
+        expected = speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
+                                        max_new_tokens=16).token_ids
+        for seed in range(2):
+            got = speculative_generate(target.model, RandomTreeDrafter(seed=seed,
+                                                                       vocab_size=VOCAB),
+                                       torch.tensor(prompt), max_new_tokens=16).token_ids
+            assert got == expected, seed
 
 
 # --- Qwen3.5-MoE (qwen35moe) -----------------------------------------------------------------
