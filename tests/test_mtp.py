@@ -39,6 +39,7 @@ from dresd.decoding.segments import Segment, additive_mask
 from dresd.drafters import HybridDrafter, MTPDrafter, NoDrafter
 from dresd.errors import UserError
 from dresd.kernels import quant
+from dresd.models.gguf_file import describe, open_gguf
 from dresd.models.mtp import MultiTokenPredictor
 from dresd.models.target import load_target
 
@@ -67,8 +68,9 @@ def target(path):
     return load_target(str(path))
 
 
-def test_the_file_has_a_block_and_a_file_without_has_none(target, model, tmp_path):
+def test_the_file_has_a_block_and_a_file_without_has_none(target, path, model, tmp_path):
     assert isinstance(target.model.mtp, MultiTokenPredictor)
+    assert describe(open_gguf(path))["mtp_blocks"] == 1  # what `dresd inspect` says
     assert target.model.config.num_hidden_layers == 4  # the block is not one of the layers
     plain = load_target(str(convert_qwen35_like_llama_cpp(model, tmp_path / "p.gguf")))
     assert not hasattr(plain.model, "mtp")

@@ -296,6 +296,8 @@ def describe(reader: GGUFFile) -> dict:
             "sliding_window": metadata(reader, f"{architecture}.attention.sliding_window"),
             "experts": metadata(reader, f"{architecture}.expert_count"),
             "experts_used": metadata(reader, f"{architecture}.expert_used_count"),
+            # MTP blocks (Qwen3.5's NextN): `--method mtp` drafts with one
+            "mtp_blocks": metadata(reader, f"{architecture}.nextn_predict_layers"),
             "tensor_types": types,
             "parameters": int(sum(int(np.prod(t.shape)) for t in reader.tensors)),
             "tensor_bytes": int(sum(t.n_bytes for t in reader.tensors)),
