@@ -1,5 +1,5 @@
 """Drafts from the target's own multi-token prediction block (`--method mtp`; a `hybrid`
-source where the target has one): Qwen3.5 files carry one (`models/mtp.py` says what it
+source where asked, `hybrid[mtp=1]`): Qwen3.5 files carry one (`models/mtp.py` says what it
 computes), trained beside the model to guess the token after next.
 
 At each step the loop reports the hidden states of the positions it kept (`DraftContext.
