@@ -42,6 +42,7 @@ from dresd.decoding.kv_cache import SequenceKV
 from dresd.decoding.segments import Segment, SegmentOutput, additive_mask, split_outputs
 from dresd.kernels.recurrent import delta_rule
 from dresd.models import spec
+from dresd.models.fastpath import activation_dtype
 
 # set by models/gguf.fill_qwen35 on a layer whose value heads are in a GGUF file's tiled order
 TILED_VALUE_HEADS = "dresd_tiled_value_heads"
@@ -138,6 +139,26 @@ class RecurrentSequence:
         self.kv.reserve(rows)
 
 
+def text_rope(rotary: torch.nn.Module, hidden: torch.Tensor, positions: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rows at `positions`. Qwen3.5's multimodal rotary takes (temporal,
+    height, width) positions: text has the three equal, which makes it the plain rotary
+    embedding of the position."""
+    where = torch.tensor(positions, device=hidden.device)[None]
+    return rotary(hidden, where[None].expand(3, 1, -1))
+
+
+def layer_mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer's MLP over rows x [1, t, d]. A mixture of experts (Qwen3.5-MoE's sparse
+    block) multiplies the rows routed to an expert together with PyTorch's matmul, whose
+    sums may depend on how many rows there are (oneDNN picks kernels by shape; not seen on
+    the Intel Xeon this was written on, not promised elsewhere): its rows go one at a time,
+    so a row's bits are the same in a tree, a prompt or a one-token step on any CPU."""
+    if not hasattr(mlp, "experts") or x.shape[1] == 1:
+        return mlp(x)
+    return torch.cat([mlp(x[:, row:row + 1]) for row in range(x.shape[1])], dim=1)
+
+
 class LayerCache:
     """What transformers' attention module calls `update` on: writes one segment's keys and
     values into the sequence's KV buffer and returns every key and value the rows see."""
@@ -167,9 +188,7 @@ class GatedDeltaNetForward:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model, self.decoder, config = model, model.model, model.config
-        # the activations' dtype: the final norm's (a GGUF file's layers keep their decay
-        # parameters in float32, so the model's first parameter need not say it)
-        self.dtype, self.device = self.decoder.norm.weight.dtype, self.decoder.norm.weight.device
+        self.dtype, self.device = activation_dtype(model), self.decoder.norm.weight.device
         self.full_layers = [i for i, kind in enumerate(config.layer_types)
                             if kind == "full_attention"]
         self.kv_index = {layer: i for i, layer in enumerate(self.full_layers)}
@@ -240,10 +259,7 @@ class GatedDeltaNetForward:
         sequence.reserve(segment.start + rows)
         ids = torch.tensor(segment.token_ids, dtype=torch.long, device=self.device)
         hidden = self.decoder.embed_tokens(ids)[None]  # [1, t, d]
-        positions = torch.tensor(segment.positions(), device=self.device)[None]
-        # Qwen3.5's multimodal rotary takes (temporal, height, width) positions: text has the
-        # three equal, which makes it the plain rotary embedding of the position
-        rope = self.decoder.rotary_emb(hidden, positions[None].expand(3, 1, -1))
+        rope = text_rope(self.decoder.rotary_emb, hidden, segment.positions())
         mask = self._mask(segment)
         parents = self._parents(segment)
         chain = parents == list(range(-1, rows - 1))
@@ -263,7 +279,7 @@ class GatedDeltaNetForward:
                 kept.append(after)
                 mixed = mixed[None]
             hidden = hidden + mixed
-            hidden = hidden + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         # a segment whose rows are verified (logits of every row) may be cut by `keep`: its
         # rows' inputs stay until then; a chain's end state is kept at once (a prompt chunk's
         # is final), a tree's only once `keep` picks its path
@@ -273,17 +289,6 @@ class GatedDeltaNetForward:
             sequence.linear = kept
         sequence.length = sequence.kv.length = segment.start + rows
         return self.decoder.norm(hidden)[0]
-
-    @staticmethod
-    def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP over rows x [1, t, d]. A mixture of experts (Qwen3.5-MoE's sparse
-        block) multiplies the rows routed to an expert together with PyTorch's matmul, whose
-        sums may depend on how many rows there are (oneDNN picks kernels by shape; not seen on
-        the Intel Xeon this was written on, not promised elsewhere): its rows go one at a time,
-        so a row's bits are the same in a tree, a prompt or a one-token step on any CPU."""
-        if not hasattr(mlp, "experts") or x.shape[1] == 1:
-            return mlp(x)
-        return torch.cat([mlp(x[:, row:row + 1]) for row in range(x.shape[1])], dim=1)
 
     def _mask(self, segment: Segment) -> torch.Tensor:
         """The additive [1, 1, t, start + t] mask: every cached token, and the rows on the

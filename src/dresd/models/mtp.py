@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from dresd.decoding.kv_cache import SequenceKV
-from dresd.decoding.recurrent import GatedDeltaNetForward, LayerCache
+from dresd.decoding.recurrent import LayerCache, layer_mlp, text_rope
 from dresd.decoding.segments import additive_mask
 
 
@@ -58,9 +58,7 @@ class MultiTokenPredictor(torch.nn.Module):
         joined = torch.cat([self.enorm(self.embed(ids)), self.hnorm(states.to(
             self.head_norm.weight.dtype))], dim=-1)
         hidden = self.eh_proj(joined)[None]  # [1, t, d]
-        where = torch.tensor(positions, device=states.device)[None]
-        # Qwen3.5's rotary takes (temporal, height, width) positions: equal for text
-        rope = self.rotary(hidden, where[None].expand(3, 1, -1))
+        rope = text_rope(self.rotary, hidden, positions)
         mask = None
         if rows > 1 or start > 0:
             causal = torch.ones(rows, rows, dtype=torch.bool, device=states.device).tril()
@@ -70,8 +68,7 @@ class MultiTokenPredictor(torch.nn.Module):
                                       position_embeddings=rope, attention_mask=mask,
                                       cache=LayerCache(cache, 0, start))
         hidden = hidden + attended
-        hidden = hidden + GatedDeltaNetForward._mlp(layer.mlp,
-                                                    layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
         cache.length = start + rows
         out = self.head_norm(hidden)[0]
         return out, self.head(out).float()
