@@ -319,8 +319,9 @@ def pack_blocks(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
         if status:
             raise DresdError(f"quant.c could not pack a {qtype.name} tensor of {n} x {k} "
                              f"(status {status})")
-        if mapping is not None:
-            _drop_pages(mapping, source, source + (count - 1) * row_stride + raw.shape[1])
+        if mapping is not None:  # the slice's bytes, as offsets into the mapping
+            offset = source - np.frombuffer(mapping, np.uint8, count=1).ctypes.data
+            drop_file_pages(mapping, offset, offset + (count - 1) * row_stride + raw.shape[1])
     return packed
 
 
@@ -335,16 +336,15 @@ def _read_only_mapping(raw: np.ndarray) -> mmap.mmap | None:
     return base if read_only and isinstance(base, mmap.mmap) else None
 
 
-def _drop_pages(mapping: mmap.mmap, start: int, end: int) -> None:
-    """madvise(MADV_DONTNEED) the pages of `mapping` over addresses [start, end): the page
-    holding `start` from its beginning, so a slice's first page may hold rows packed before
-    (or another tensor's), and the last page whole, which may hold the next slice's first row;
-    either is read again from the file if it is looked at."""
+def drop_file_pages(mapping: mmap.mmap, start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) the pages of a read-only file mapping over its offsets
+    [start, end): the page holding `start` from its beginning, and the last page whole, so
+    either may hold bytes beside the range (rows packed before or after, another tensor's);
+    they are only ever the file's, read again from it if anyone looks."""
     if not hasattr(mmap, "MADV_DONTNEED"):
         return
-    base = np.frombuffer(mapping, np.uint8, count=1).ctypes.data  # where the mapping starts
-    offset = (start - base) // mmap.PAGESIZE * mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, offset, end - base - offset)
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def packed_bytes(qtype: Q, out_features: int, k: int) -> int:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 import tempfile
 from dataclasses import astuple, dataclass
 from pathlib import Path
@@ -236,10 +235,9 @@ class _Tensors:
     def release(self, tensor) -> None:
         """Let the kernel drop the file's pages of a tensor now packed: they were read once, and
         would otherwise stay in this process's resident memory beside the packed copy."""
-        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = tensor.data_offset - tensor.data_offset % mmap.PAGESIZE
-        self.mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+        if self.mapping is not None:
+            quant.drop_file_pages(self.mapping, tensor.data_offset,
+                                  tensor.data_offset + tensor.n_bytes)
 
     @staticmethod
     def _dense(tensor, raw: np.ndarray) -> torch.Tensor:
