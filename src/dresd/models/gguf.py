@@ -504,14 +504,16 @@ def expected_qwen35_tensors(config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig,
             continue
         # the MTP block: [embedding, state] -> hidden, its norms; its own embedding, head and
         # head norm are optional (the model's are used where it has none)
-        expected[blk + "nextn.eh_proj.weight"] = ((hidden, 2 * hidden), SUPPORTED_TYPES)
-        for name in ("enorm", "hnorm", "shared_head_norm"):
-            if name != "shared_head_norm" or f"{blk}nextn.{name}.weight" in present:
-                expected[f"{blk}nextn.{name}.weight"] = ((hidden,), NORM_TYPES)
-        for name in ("embed_tokens", "shared_head_head"):
-            if f"{blk}nextn.{name}.weight" in present:
-                expected[f"{blk}nextn.{name}.weight"] = ((config.vocab_size, hidden),
-                                                          SUPPORTED_TYPES)
+        vocab = config.vocab_size
+        block = {"eh_proj": ((hidden, 2 * hidden), SUPPORTED_TYPES),
+                 "enorm": ((hidden,), NORM_TYPES), "hnorm": ((hidden,), NORM_TYPES)}
+        optional = {"shared_head_norm": ((hidden,), NORM_TYPES),
+                    "embed_tokens": ((vocab, hidden), SUPPORTED_TYPES),
+                    "shared_head_head": ((vocab, hidden), SUPPORTED_TYPES)}
+        for name, wanted in (block | optional).items():
+            tensor = f"{blk}nextn.{name}.weight"
+            if name in block or tensor in present:
+                expected[tensor] = wanted
     return expected
 
 
