@@ -20,7 +20,7 @@ from gguf_files import (
     write_tiny_gguf,
 )
 from test_batch import run_batched
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dresd.decoding import speculative_generate
 from dresd.decoding.batch import Request
@@ -291,6 +291,25 @@ def test_gemma3_tokenizer_is_the_files_sentencepiece_vocabulary(gemma3_targets, 
     described = describe(open_gguf(gemma3_files["gemma3-q4_0"]))
     assert described["dresd_runs_it_natively"] == "yes"
     assert described["forward"] == "dresd's C decoder"
+
+
+def test_a_files_tokenizer_keeps_no_python_copy_of_its_vocabulary(gemma3_targets,
+                                                                    gemma3_files, tmp_path):
+    """transformers' tokenizer classes keep the vocabulary and merges they built the backend
+    from as Python objects (48 MB for a 262k vocabulary): a loaded target's tokenizer has
+    dropped them, and tokenizes and decodes as the tokenizer that kept them."""
+    path = gemma3_files["gemma3-q4_0"]
+    # as every load after the first reads it: from the folder the first saved in the cache
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+    kept = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(kept._vocab) == kept.vocab_size > 100  # what there was to drop
+    tokenizer = gemma3_targets["gemma3-q4_0"].tokenizer
+    assert tokenizer._vocab is None and tokenizer._merges is None
+    assert tokenizer.get_vocab() == kept.get_vocab()
+    for text in ["Hello world the cat sat!", "x! <start_of_turn>hello", " two  spaces\n"]:
+        ids = tokenizer(text).input_ids
+        assert ids == kept(text).input_ids
+        assert tokenizer.decode(ids) == kept.decode(ids)
 
 
 @pytest.mark.parametrize("name", list(GEMMA3_FILES))

@@ -76,6 +76,7 @@ from dresd.decoding.segments import (  # noqa: F401 - Segment, SegmentOutput: im
     split_outputs,
 )
 from dresd.errors import DresdError
+from dresd.host import large_allocations_mapped
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
 from dresd.kernels.decoder import CDecoder, SegmentRows
@@ -368,7 +369,8 @@ def fuse_layer(layer: torch.nn.Module) -> FusedProjections | None:
     modules = parts[0] + parts[1]
     cached = _FUSED.get(layer)
     if cached is None or cached[0] != modules:  # modules compare by identity
-        cached = _FUSED[layer] = (modules, _fuse(parts))
+        with large_allocations_mapped():  # each part's buffer freed as its copy is made
+            cached = _FUSED[layer] = (modules, _fuse(parts))
     return cached[1]
 
 

