@@ -68,10 +68,13 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _libc_function(name: str):
-    """glibc's function `name`, or None (another C library, or none found)."""
-    libc_name = ctypes.util.find_library("c")
-    return None if libc_name is None else getattr(ctypes.CDLL(libc_name), name, None)
+def libc_function(name: str):
+    """The C library's function `name` (glibc's `malloc_trim`, `mallopt`), or None where it has
+    none (musl, macOS)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 # glibc's mallopt parameters (malloc.h) and the largest threshold its dynamic rule reaches
@@ -89,7 +92,7 @@ def large_allocations_mapped(threshold: int = 1 << 20) -> Iterator[None]:
     Afterwards the threshold is the one the dynamic rule ends at (and the trim threshold twice
     it, as that rule sets it): kept mapped at run time, large prefill buffers cost 7-9% of the
     prefill's speed in page faults."""
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         yield
         return
@@ -108,6 +111,6 @@ def give_back_free_heap() -> None:
     allocator otherwise keeps resident, and the weights packed next would stack on top of them
     at the load's peak (measured on a 262k vocabulary: 25-30 MB each)."""
     gc.collect()
-    trim = _libc_function("malloc_trim")
+    trim = libc_function("malloc_trim")
     if trim is not None:
         trim(0)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
@@ -48,6 +46,7 @@ from dresd.decoding.sampling import sampling_or_greedy
 from dresd.drafters import Drafter, NoDrafter, make_drafter
 from dresd.drafters.prediction import with_prediction
 from dresd.errors import UserError
+from dresd.host import libc_function
 from dresd.metrics import GenerationResult
 from dresd.models.target import Target
 from dresd.runner import AR, GenerationSettings, make_request
@@ -271,7 +270,7 @@ class Engine:
     def start(self) -> None:
         self._worker = threading.Thread(target=self._work, name="dresd-generate", daemon=True)
         self._worker.start()
-        trimmer = heap_trimmer()
+        trimmer = libc_function("malloc_trim")
         if trimmer is not None:
             threading.Thread(target=self._trim_heap, args=(trimmer,), name="dresd-trim",
                              daemon=True).start()
@@ -482,14 +481,6 @@ class Engine:
     def healthy(self) -> bool:
         """Whether the worker is running (or not started yet) and has not died."""
         return self.dead is None and (self._worker is None or self._worker.is_alive())
-
-
-def heap_trimmer() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 def kv_bytes_per_token(target: Target) -> int:
