@@ -281,7 +281,8 @@ LAYER_TENSORS = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-LLAMA_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "ffn_norm"}
+LLAMA_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_layernorm": "ffn_norm",
+                       "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3
 GEMMA3_LAYER_TENSORS = {
     **LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -336,6 +337,8 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
              "original_max_position_embeddings": 32}
 
 
+PHI3_WINDOW = 20  # keys a row sees (itself included): a test's 72 positions run far past it
+
 # Qwen3-MoE's experts, tiny: 8 experts of hidden size 64, 2 used per token, renormalised
 MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                  norm_topk_prob=True)
@@ -344,13 +347,16 @@ MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
 def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int = 0,
                        expert_type: Q | None = None):
     """A random float32 transformers `LlamaForCausalLM` (with `rope` as its rope parameters),
-    `Qwen3ForCausalLM` (`arch` "qwen3") or `Qwen3MoeForCausalLM` ("qwen3_moe", `MOE_SHAPE`)
-    of `HF_SHAPE`, every weight a bf16 value (so that a bf16 file holds exactly the
-    reference's weights), large enough that its next tokens are no near-ties. With
-    `expert_type`, the experts' weights as a file of that type holds them."""
+    `Qwen3ForCausalLM` (`arch` "qwen3"), `Qwen3MoeForCausalLM` ("qwen3_moe", `MOE_SHAPE`) or
+    `Phi3ForCausalLM` ("phi3"; "phi3-window": with a window of `PHI3_WINDOW`) of `HF_SHAPE`,
+    every weight a bf16 value (so that a bf16 file holds exactly the reference's weights),
+    large enough that its next tokens are rarely near-ties. With `expert_type`, the experts'
+    weights as a file of that type holds them."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -360,6 +366,10 @@ def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int 
     rope = rope or {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPE, rope_parameters=rope))
+    elif arch.startswith("phi3"):
+        window = PHI3_WINDOW if arch == "phi3-window" else None
+        model = Phi3ForCausalLM(Phi3Config(**HF_SHAPE, rope_parameters=rope,
+                                           sliding_window=window))
     elif arch == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPE, **MOE_SHAPE,
                                                    rope_parameters=rope))
@@ -484,21 +494,42 @@ def add_converted_metadata(writer: gguf.GGUFWriter, config, extra_blocks: int = 
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
 
 
+def add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """The keys llama.cpp's converter writes for a Phi-3 model (`Phi3MiniModel.
+    set_gguf_parameters`), in its order: a window of 0 where the config has none (Phi-4)."""
+    writer.add_name("tiny converted model")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(config.rope_parameters.get(
+        "original_max_position_embeddings", config.max_position_embeddings))
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(config.rope_parameters.get(
+        "partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    writer.add_sliding_window(config.sliding_window or 0)
+
+
 # transformers' names of the tensors outside the layers -> llama.cpp's
 TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
                "model.norm.weight": "output_norm.weight"}
 
 
 def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
-                           metadata: dict | None = None) -> Path:
+                           metadata: dict | None = None,
+                           extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """`model` (from `transformers_model`) as the bf16 GGUF file llama.cpp's converter writes
     from its folder: its metadata, 2D weights in BF16, norms and rope_freqs in F32, a Llama
     file's q and k rows permuted, Llama 3 scaling as rope_freqs.weight, linear and YaRN scaling
     as `rope.scaling.*` metadata (`TextModel.set_gguf_parameters`). A Qwen3-MoE model's experts
     as `Qwen3MoeModel` writes them: the router `ffn_gate_inp` in F32, each of gate, up and down
     one 3-D tensor of every expert (in `expert_type`), the expert count, used count and size.
-    `metadata`: keys (without the architecture) written instead of the model's, for the tests
-    of files that lie."""
+    `metadata`: keys (without the architecture) written instead of the model's, and
+    `extra_tensors` (float32), for the tests of files that lie or that dresd refuses."""
     config = model.config
     arch = {"qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
     rope = config.rope_parameters
@@ -508,7 +539,10 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
                "expert_feed_forward_length": config.moe_intermediate_size, **(metadata or {})}
         for key, value in moe.items():
             writer.add_uint32(f"{arch}.{key}", value)
-    add_converted_metadata(writer, config)
+    if arch == "phi3":  # Phi3MiniModel writes its own keys, not TextModel's
+        add_phi3_metadata(writer, config)
+    else:
+        add_converted_metadata(writer, config)
     if arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(config.head_dim)
@@ -542,6 +576,8 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
         else:
             data = gguf.quants.quantize(weights, Q.BF16)
             writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values.astype(np.float32))
     return _finish(writer, path)
 
 

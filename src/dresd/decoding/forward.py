@@ -93,8 +93,8 @@ def _dtype_and_device(model: PreTrainedModel) -> tuple[torch.dtype, torch.device
 
 
 class LlamaForward:
-    """Batched forward for Llama-shaped decoders (Llama, Mistral without a sliding window,
-    Qwen2, Qwen3 with its per-head q/k norms, a Qwen3-MoE file's with its experts on
+    """Batched forward for Llama-shaped decoders (Llama, Mistral, its window on the C decoder
+    only, Qwen2, Qwen3 with its per-head q/k norms, a Qwen3-MoE file's with its experts on
     `kernels/experts.py`): see the module docstring."""
 
     # transformers' model types whose layers this forward's PyTorch path computes too
@@ -108,8 +108,9 @@ class LlamaForward:
     STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
     @classmethod
-    def takes(cls, model: PreTrainedModel) -> bool:
-        """Whether `model` has the layout this forward implements, module for module."""
+    def takes(cls, model: PreTrainedModel, windowed: bool = False) -> bool:
+        """Whether `model` has the layout this forward implements, module for module
+        (`windowed`: with a window on every layer, which only the C decoder computes)."""
         config = model.config
         if config.model_type not in cls.ARCHITECTURES:
             return False
@@ -118,8 +119,7 @@ class LlamaForward:
         rope = getattr(config, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") not in cls.STATIC_ROPE:
             return False  # dynamic rotary variants are left to transformers
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
-                                                                 True):
+        if sliding_window(config) and not windowed:
             return False
         if getattr(config, "layer_types", None) and any(
                 kind != "full_attention" for kind in config.layer_types):
@@ -138,11 +138,12 @@ class LlamaForward:
 
     @classmethod
     def takes_on_c_decoder(cls, model: PreTrainedModel) -> bool:
-        """Whether `model` is one this forward runs where its C decoder builds (Gemma-3's
-        text model: its rope per layer type, each static)."""
+        """Whether `model` is one this forward runs where its C decoder builds: Gemma-3's text
+        model (its rope per layer type, each static), or a Llama-shaped one with a window on
+        every layer (Mistral's; a Phi-3 file's)."""
         config = model.config
         if config.model_type not in cls.C_DECODER_ONLY:
-            return False
+            return cls.takes(model, windowed=True)
         if not type(model).__module__.startswith("transformers.models."):
             return False
         ropes = (getattr(config, "rope_parameters", None) or {}).values()
@@ -177,11 +178,12 @@ class LlamaForward:
         c_decoder = MoEDecoder if is_moe(self.decoder) else CDecoder
         self.c_decoder = (c_decoder.build(self.decoder, config, self.fused)
                           if self.invariant_kernel else None)
-        # Gemma-3: a rotary table per layer type, and the windowed layers' window
+        # Gemma-3: a rotary table per layer type; the windowed layers' window (Gemma-3's
+        # sliding layers, every layer of a Mistral with one)
         types = set(getattr(config, "layer_types", None) or ()) \
             if config.model_type in self.C_DECODER_ONLY else set()
         self.rope_types = sorted(types)  # [] a Llama's one table (its rotary_emb takes no type)
-        self.window = int(config.sliding_window) if "sliding_attention" in types else None
+        self.window = sliding_window(config)
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device)

@@ -212,13 +212,17 @@ class LayerForm:
         norms = [norm for layer in layers for norm in _norms(layer)] + [decoder.norm]
         if len({_epsilon(norm) for norm in norms}) > 1:
             return None  # the C code has one epsilon for every norm
-        types = getattr(config, "layer_types", None) or ["full_attention"] * len(layers)
+        # a window on the layers `layer_types` names (Gemma-3), else on every layer where the
+        # config sets one (Mistral's; Qwen2's only with use_sliding_window)
+        window = getattr(config, "sliding_window", None) \
+            if getattr(config, "use_sliding_window", True) else None
+        types = getattr(config, "layer_types", None) or [
+            "sliding_attention" if window else "full_attention"] * len(layers)
         if len(types) != len(layers) or not set(types) <= {"full_attention",
                                                             "sliding_attention"}:
             return None
         windowed = tuple(kind == "sliding_attention" for kind in types)
-        if any(windowed) and not (arch.sliding_windows and getattr(config, "sliding_window",
-                                                                   None)):
+        if any(windowed) and not (arch.sliding_windows and window):
             return None
         return LayerForm(arch.norm_plus_one, ACTIVATIONS[arch.activation], arch.out_norms,
                          windowed)

@@ -31,6 +31,11 @@ rotary embedding pairs neighbouring dimensions, transformers' pairs the two halv
 file has no such permutation (llama.cpp ropes it NEOX-style, as transformers does); its norms
 are stored plus one (`gemma3_config` and `_fill_layers` say what else differs).
 
+A `phi3` file (Phi-3, Phi-4) keeps q, k and v in one tensor and gate and up in another; split
+by rows, its layers are Mistral's, and it is built as transformers' `MistralForCausalLM`
+(`phi3_config`), run on the C decoder with the file's window on every layer (Phi-3-mini-4k:
+2047; Phi-4: none).
+
 A `qwen3moe` file runs as a `qwen3` one, each layer's MLP its experts: `_Tensors.experts` reads
 the router and the 3-D expert tensors into a `kernels/experts.MoEMLP`, run in C.
 
@@ -57,6 +62,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma3TextConfig,
+    MistralConfig,
     PreTrainedModel,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -313,13 +319,8 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
                   "rope_theta": float(metadata_number(reader, path, key("rope.freq_base_swa"),
                                                       10000.0))}
     softcap = metadata(reader, key("final_logit_softcapping"))
-    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
-    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
-    # llama.cpp ends generation at <end_of_turn> too (an end-of-generation token by its text);
-    # a chat turn of a Gemma instruct model ends with it, not with <eos>
-    ends = [eos] if eos is not None else []
-    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in ends:
-        ends.append(tokens.index("<end_of_turn>"))
+    # a chat turn of a Gemma instruct model ends with <end_of_turn>, not with <eos>
+    ends = end_of_generation(reader, "<end_of_turn>")
     return Gemma3TextConfig(
         vocab_size=token_rows(reader, path),
         hidden_size=hidden,
@@ -341,6 +342,74 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
         tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=ends[0] if len(ends) == 1 else (ends or None),
+        pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
+
+
+def end_of_generation(reader: GGUFFile, *texts: str) -> int | list[int] | None:
+    """The file's end of sequence and the tokens among `texts` it has, as a config's
+    `eos_token_id`: llama.cpp also ends generation at such tokens (end-of-generation by their
+    text), which end an instruct model's chat turn where its end of sequence does not."""
+    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
+    eos = metadata(reader, "tokenizer.ggml.eos_token_id")
+    ends = [eos] if eos is not None else []
+    ends += [tokens.index(text) for text in texts if text in tokens
+             and tokens.index(text) not in ends]
+    return ends[0] if len(ends) == 1 else (ends or None)
+
+
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
+    """A Phi-3 or Phi-4 file (`phi3`) as the transformers Mistral config that computes its
+    layers once their fused projections are split (`spec.PHI3`), read as llama.cpp's converter
+    writes it (`conversion/phi.py`):
+
+    - head size: hidden / heads, and the rope turns all of it (`rope.dimension_count`; a
+      partial rotary factor, Phi-4-mini's, is refused), base `rope.freq_base`.
+    - LongRoPE (`rope_factors_long` / `_short` tensors: the 128k-context models) is refused:
+      its frequencies depend on the longest position in a call, which no row-invariant
+      forward computes.
+    - the window: `attention.sliding_window` on every layer (0: none, Phi-4's), as
+      transformers' Phi3 applies it. llama.cpp ignores it ("Phi SWA is currently disabled"):
+      past the window its outputs are not the model's, and dresd's are.
+    - chat turns end with <|end|> (Phi-3) or <|im_end|> (Phi-4), as in llama.cpp.
+    """
+    key = "phi3.{}".format
+    hidden = metadata_size(reader, path, key("embedding_length"))
+    heads = metadata_size(reader, path, key("attention.head_count"))
+    if hidden % heads:
+        raise GGUFError(f"{path}: {heads} attention heads do not divide the hidden size "
+                        f"{hidden}.")
+    head_dim = hidden // heads
+    rotated = metadata_size(reader, path, key("rope.dimension_count"), head_dim)
+    if rotated != head_dim:
+        raise GGUFError(f"{path}: the rope turns {rotated} of each head's {head_dim} "
+                        "dimensions (a partial rotary factor, as Phi-4-mini's); dresd runs "
+                        "Phi-3 files whose rope turns the whole head.")
+    names = {tensor.name for tensor in reader.tensors}
+    if any(name in names for name in PHI3_ROPE_FACTORS):
+        raise GGUFError(f"{path}: LongRoPE scaling (rope_factors_long/short: a 128k-context "
+                        "Phi-3 model) is not one dresd runs.")
+    window = int(metadata_number(reader, path, key("attention.sliding_window"), 0))
+    return MistralConfig(
+        vocab_size=token_rows(reader, path),
+        hidden_size=hidden,
+        intermediate_size=metadata_size(reader, path, key("feed_forward_length")),
+        num_hidden_layers=metadata_size(reader, path, key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=metadata_size(reader, path, key("attention.head_count_kv"), heads),
+        head_dim=head_dim,
+        sliding_window=window or None,
+        rope_parameters={"rope_type": "default", "rope_theta": float(
+            metadata_number(reader, path, key("rope.freq_base"), 10000.0))},
+        rms_norm_eps=float(metadata_number(reader, path,
+                                           key("attention.layer_norm_rms_epsilon"), 1e-5)),
+        max_position_embeddings=metadata_size(reader, path, key("context_length"), 4096),
+        hidden_act="silu",
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=end_of_generation(reader, "<|end|>", "<|im_end|>"),
         pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
 
 
@@ -635,7 +704,8 @@ def _float32(values: torch.Tensor) -> torch.nn.Parameter:
 
 # Architectures whose transformers config dresd reads from the metadata itself (cheap, so never
 # taken from the cache), not through transformers' GGUF mapping
-OWN_CONFIGS = {"gemma3": gemma3_config, "qwen35": qwen35_config, QWEN35_MOE: qwen35_config}
+OWN_CONFIGS = {"gemma3": gemma3_config, "phi3": phi3_config, "qwen35": qwen35_config,
+               QWEN35_MOE: qwen35_config}
 
 
 # --- rotary embedding scaling, as llama.cpp reads it ---------------------------------------
@@ -804,16 +874,21 @@ def expected_tensors(sizes: Sizes, arch: Architecture, present: set[str]
                ("ffn_gate_exps", (experts, ffn, hidden), SUPPORTED_TYPES),
                ("ffn_up_exps", (experts, ffn, hidden), SUPPORTED_TYPES),
                ("ffn_down_exps", (experts, hidden, ffn), SUPPORTED_TYPES))
+    elif arch.fused_projections:  # Phi-3: gate then up in one tensor
+        mlp = (("ffn_up", (2 * inter, hidden), SUPPORTED_TYPES),
+               ("ffn_down", (hidden, inter), SUPPORTED_TYPES))
     else:
         mlp = tuple((name, shape, SUPPORTED_TYPES) for name, shape in (
             ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)),
             ("ffn_down", (hidden, inter))))
+    attention = ((("attn_qkv", (q_rows + 2 * kv_rows, hidden)),) if arch.fused_projections
+                 else (("attn_q", (q_rows, hidden)), ("attn_k", (kv_rows, hidden)),
+                       ("attn_v", (kv_rows, hidden))))
     for i in range(sizes.layers):
         blk = f"blk.{i}."
         expected.update({blk + name + ".weight": ((hidden,), NORM_TYPES) for name in norms})
         expected.update({blk + name + ".weight": (shape, SUPPORTED_TYPES) for name, shape in (
-            ("attn_q", (q_rows, hidden)), ("attn_k", (kv_rows, hidden)),
-            ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, q_rows)))})
+            *attention, ("attn_output", (hidden, q_rows)))})
         expected.update({blk + name + ".weight": (shape, types) for name, shape, types in mlp})
         if arch.head_norms:
             expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
@@ -990,8 +1065,8 @@ def _norm(tensors: _Tensors, name: str, size: int, offset: float = 0.0) -> torch
 
 
 def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) -> None:
-    """The layers of a model the C decoder runs (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma-3),
-    filled from the file as its spec declares them. The file's tensors, as llama.cpp's
+    """The layers of a model the C decoder runs (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma-3,
+    Phi-3), filled from the file as its spec declares them. The file's tensors, as llama.cpp's
     converter wrote them (shapes checked before: `check_model_tensors`):
 
     - norms: `arch.layer_norms` (Gemma: four a layer), and q/k norms per head where
@@ -1001,6 +1076,8 @@ def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) 
     - q and k: rows permuted by the converter where `arch.permuted_qk` (it ropes Llama in
       pairs; Qwen and Gemma NEOX-style, as transformers does): `unpermute_rows` undoes it.
       Biases where `arch.attention_biases` and the file has them.
+    - q, k, v and gate, up: rows of one tensor each where `arch.fused_projections` (Phi-3),
+      split by row ranges (every quantized block stays whole).
     - MLP: gate, up and down, or (`arch.moe`) the router and the experts, run in C.
     - embedding: scaled by sqrt(hidden size) where `arch.embedding_scale`, in float32 before
       the rows round to bf16 (as Gemma3TextScaledWordEmbedding and llama.cpp scale it).
@@ -1021,16 +1098,28 @@ def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) 
         for name, module in arch.layer_norms:
             getattr(layer, module).weight = _norm(tensors, f"{blk}{name}.weight", hidden, offset)
         attn = layer.self_attn
-        for part, name, rows in (("q_proj", "q", q_rows), ("k_proj", "k", k_rows),
-                                 ("v_proj", "v", None)):
-            bias = f"{blk}attn_{name}.bias" if arch.attention_biases else None
-            setattr(attn, part, tensors.linear(f"{blk}attn_{name}.weight", rows, bias))
+        if arch.fused_projections:  # q, k, v: consecutive rows of one tensor
+            ends = np.cumsum([0, heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+            projections = [(part, "attn_qkv", np.arange(start, end), None) for part, start, end
+                           in zip(("q_proj", "k_proj", "v_proj"), ends[:-1], ends[1:], strict=True)]
+        else:
+            projections = [(part, f"attn_{name}", rows, f"{blk}attn_{name}.bias"
+                            if arch.attention_biases else None) for part, name, rows in (
+                                ("q_proj", "q", q_rows), ("k_proj", "k", k_rows),
+                                ("v_proj", "v", None))]
+        for part, name, rows, bias in projections:
+            setattr(attn, part, tensors.linear(f"{blk}{name}.weight", rows, bias))
         attn.o_proj = tensors.linear(blk + "attn_output.weight")
         if arch.head_norms:  # per-head q and k norms, before the rope
             attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, offset)
             attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, offset)
         if arch.moe:
             layer.mlp = tensors.experts(blk, config.num_experts_per_tok, config.norm_topk_prob)
+        elif arch.fused_projections:  # gate, then up: the rows of one tensor
+            inter = config.intermediate_size
+            layer.mlp.gate_proj = tensors.linear(blk + "ffn_up.weight", np.arange(inter))
+            layer.mlp.up_proj = tensors.linear(blk + "ffn_up.weight", np.arange(inter, 2 * inter))
+            layer.mlp.down_proj = tensors.linear(blk + "ffn_down.weight")
         else:
             fill_gated_mlp(layer.mlp, tensors, blk)
     decoder.norm.weight = _norm(tensors, "output_norm.weight", hidden, offset)

@@ -42,7 +42,8 @@ class Architecture:
     head_norms: bool = False  # an RMSNorm per head on q and k before the rope (Qwen3, Gemma-3)
     attention_biases: bool = True  # q, k and v may have biases (Qwen2's do), taken where
     #                                a file has them
-    sliding_windows: bool = False  # layers that see a window of keys, each with its own rope
+    sliding_windows: bool = False  # layers that see a window of keys: some, each with a rope
+    #                                 of their own (Gemma-3), or every one (Mistral, Phi-3)
     embedding_scale: bool = False  # embedded rows times sqrt(hidden size) (Gemma)
     experts: str = ""  # "": a dense MLP; "routed": top-k experts; "routed+shared": and a
     #                    shared expert scaled by sigmoid(x . w) (Qwen3.5-MoE)
@@ -55,6 +56,9 @@ class Architecture:
     rope_scaling: tuple[str, ...] = ()  # what the file's rope scaling may be: "linear",
     #                                      "yarn" metadata; "rope_freqs" (Llama 3.1+'s tensor)
     stored_plus_one: bool = False  # norms stored as weight + 1 (the converter adds Gemma's one)
+    # q, k and v stored one after another in `attn_qkv`, gate then up in `ffn_up` (Phi-3):
+    # split by rows when the file is read, as transformers' Phi3 modules split their outputs
+    fused_projections: bool = False
 
     @property
     def layer_norms(self) -> tuple[tuple[str, str], ...]:
@@ -73,7 +77,8 @@ class Architecture:
 
 
 LLAMA_ROPE = ("linear", "yarn", "rope_freqs")  # as llama.cpp reads a Llama-family file
-LLAMA = Architecture("llama", ("llama", "mistral"), permuted_qk=True, rope_scaling=LLAMA_ROPE)
+LLAMA = Architecture("llama", ("llama", "mistral"), sliding_windows=True, permuted_qk=True,
+                     rope_scaling=LLAMA_ROPE)
 QWEN2 = Architecture("qwen2", ("qwen2",), rope_scaling=LLAMA_ROPE)
 QWEN3 = Architecture("qwen3", ("qwen3",), head_norms=True, rope_scaling=LLAMA_ROPE)
 QWEN3_MOE = Architecture("qwen3moe", ("qwen3_moe",), head_norms=True, experts="routed",
@@ -83,14 +88,20 @@ GEMMA3 = Architecture("gemma3", ("gemma3_text",), activation=GELU_TANH, norm_plu
                       sliding_windows=True,
                       embedding_scale=True, pytorch_layers=False, rope_scaling=("linear",),
                       stored_plus_one=True)
+# Phi-3 and Phi-4: once its fused projections are split, a Phi-3 layer is Mistral's (its
+# RMSNorms, SiLU-gated MLP, rope on the whole head, a window on every layer or on none), so a
+# file is read into transformers' Mistral model (`gguf.phi3_config`) and runs as one. A
+# transformers folder keeps the fused modules and runs on transformers' own forward (no model
+# type here).
+PHI3 = Architecture("phi3", (), attention_biases=False, fused_projections=True)
 QWEN35 = Architecture("qwen35", ("qwen3_5_text",), forward=RECURRENT, norm_plus_one=True,
                       head_norms=True, recurrent_layers=True, stored_plus_one=True)
 QWEN35_MOE = Architecture("qwen35moe", ("qwen3_5_moe_text",), forward=RECURRENT,
                           norm_plus_one=True, head_norms=True, recurrent_layers=True,
                           experts="routed+shared", stored_plus_one=True)
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, QWEN35,
-                                           QWEN35_MOE)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, PHI3,
+                                           QWEN35, QWEN35_MOE)
 BY_GGUF = {spec.gguf: spec for spec in ARCHITECTURES}
 BY_MODEL_TYPE = {model_type: spec for spec in ARCHITECTURES for model_type in spec.model_types}
 GGUF_NAMES = tuple(BY_GGUF)  # for messages: the GGUF architectures dresd runs
