@@ -21,6 +21,7 @@ from dresd.datastore.format import AtomicBuild, DatastoreError, partial_dir, rea
 from dresd.datastore.inspect import describe
 from dresd.drafters import DenseDrafter, DraftContext
 from dresd.drafters.dense import agreeing_prefixes, unpadded
+from dresd.errors import UserError
 from dresd.kernels import drafting
 from dresd.models.target import Target
 from dresd.regenerate import RegenerateConfig, regenerate
@@ -403,6 +404,32 @@ def test_dresds_query_in_one_call_is_its_three_calls(ivf_datastore):
                 == drafting.agreeing_prefixes(expected))
         compared += len(rows)
     assert compared >= 60
+
+
+def test_a_requests_own_hybrid_shares_the_opened_stores_and_what_is_learned(
+        ivf_sparse_datastore, default_target, default_references):
+    """A request's own draft length (`with_options`, as the server asks it): the opened stores,
+    the acceptance table and the ledger the server's drafter has (it opened every store again
+    and learned apart), sources reshaped, the one-call step planned for them; AR's outputs."""
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS)
+    flat = {1: 1.0, 16: 1.2, 64: 2.0}
+    base = MethodRunner(default_target, "hybrid", settings, datastore=str(ivf_sparse_datastore),
+                        cost=flat).drafter
+    variant = base.with_options(draft_len=4)
+    assert variant.table is base.table and variant.ledger is base.ledger
+    assert variant.sources["rest"].index is base.sources["rest"].index
+    assert variant.sources["dresd"].store is base.sources["dresd"].store
+    assert [variant.sources[name].draft_len for name in ("pld", "rest", "dresd")] == [4] * 3
+    assert base.sources["pld"].draft_len == base.draft_len == 10
+    assert (variant._step_plan is None) == (base._step_plan is None)
+    with pytest.raises(UserError, match=">= 1"):
+        base.with_options(max_tree_nodes=0)
+    runner = MethodRunner(default_target, "hybrid", settings, datastore=str(ivf_sparse_datastore),
+                          cost=flat)
+    runner.drafter = variant
+    for prompt in PROMPTS[:2]:
+        ids = encode_prompt(default_target.tokenizer, prompt)
+        assert runner.generate(ids).token_ids == default_references(ids, NEW_TOKENS)
 
 
 @pytest.mark.skipif(drafting.kernel() is None, reason="no C compiler")

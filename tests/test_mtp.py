@@ -246,8 +246,11 @@ def test_mtp_and_hybrid_with_it_give_plain_decodings_tokens(model, mtp_weights, 
     assert isinstance(hybrid.sources["mtp"], MTPDrafter)
     mtp = MTPDrafter(depth=3)
     mtp.check_target(target)
+    # a request's own options (the server's `with_options`) keep the block
+    requests_own = (mtp.with_options(depth=2), hybrid.with_options(draft_len=3))
+    assert requests_own[0].block is requests_own[1].sources["mtp"].block is target.model.mtp
     for prompt, expected in zip(prompts, plain, strict=True):
-        for drafter in (mtp.fork(), hybrid.fork()):
+        for drafter in (mtp.fork(), hybrid.fork(), *(own.fork() for own in requests_own)):
             got = speculative_generate(target.model, drafter, torch.tensor(prompt),
                                        max_new_tokens=20).token_ids
             assert got == expected, drafter.name

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import functools
 import json
 import math
@@ -507,16 +508,16 @@ class HybridDrafter(HybridOptions, Drafter):
             self.table.load_prior(self.prior)
         suffix_learns = True if self.learn is None else bool(self.learn)
         stores_learn = bool(self.learn)  # REST's and DReSD's side stores: only when asked
-        self.sources = {"pld": PromptLookupDrafter(draft_len=self.draft_len, num_drafts=3),
+        shapes = self._source_shapes()
+        self.sources = {"pld": PromptLookupDrafter(**shapes["pld"], num_drafts=3),
                         "suffix": SuffixDrafter(max_tree_nodes=16, learn=suffix_learns)}
         if self.datastore is not None:
             parts = kinds(read_manifest(self.datastore))
             if "sparse" in parts:
-                self.sources["rest"] = RestDrafter(self.datastore, draft_len=self.draft_len,
+                self.sources["rest"] = RestDrafter(self.datastore, **shapes["rest"],
                                                    max_tree_nodes=16, learn=stores_learn)
             if "dense" in parts:
-                self.sources["dresd"] = DenseDrafter(self.datastore, k=self.neighbours,
-                                                     draft_len=self.draft_len,
+                self.sources["dresd"] = DenseDrafter(self.datastore, **shapes["dresd"],
                                                      learn=stores_learn)
         self.ledger = SourceLedger()
         self.costs = np.zeros(0)
@@ -538,6 +539,34 @@ class HybridDrafter(HybridOptions, Drafter):
         forked._step_buffers = drafting.StepBuffers()  # (`_step_calls` shared: one table)
         forked.last, forked.steps = None, 0
         return forked
+
+    def _source_shapes(self) -> dict[str, dict]:
+        """The options each built-in source takes from hybrid's own: its draft length, and
+        DReSD's neighbours."""
+        return {"pld": {"draft_len": self.draft_len}, "rest": {"draft_len": self.draft_len},
+                "dresd": {"draft_len": self.draft_len, "k": self.neighbours}}
+
+    def with_options(self, **options) -> HybridDrafter:
+        """This drafter with some of its tree's options changed (a server request's own
+        `draft_len` or `max_tree_nodes`): a fork (`fork`: the acceptance table, the ledger and
+        what is learned shared), each source whose shape changed reshaped by its own
+        `with_options`, which shares its opened store. Other options build a drafter anew.
+        (Built anew, a request's drafter opened every datastore again, learned nothing of the
+        shared table, and lost the target's MTP block until `check_target`.)"""
+        if not set(options) <= {"draft_len", "max_tree_nodes", "neighbours"}:
+            return dataclasses.replace(self, **options)
+        variant = self.fork()
+        for name, value in options.items():
+            setattr(variant, name, value)
+        HybridOptions.__post_init__(variant)  # the same checks as a drafter built anew
+        before, shapes = self._source_shapes(), variant._source_shapes()
+        variant.sources = {
+            name: source.with_options(**shapes[name])
+            if name in shapes and shapes[name] != before[name] else source
+            for name, source in variant.sources.items()}
+        variant._step_plan = variant._plan_step()  # its buffers sized by the draft length
+        variant._step_sources = tuple(variant.sources.values())
+        return variant
 
     def with_source(self, name: str, source: Drafter) -> HybridDrafter:
         """A fork (`fork`: the acceptance table and what is learned shared) with one more

@@ -69,10 +69,14 @@ class MTPDrafter(MTPOptions, Drafter):
 
     def fork(self) -> MTPDrafter:
         """The same block with a cache of its own (one per generation)."""
-        forked = dataclasses.replace(self)
-        forked.block = self.block
-        forked._reset()
-        return forked
+        return self.with_options()
+
+    def with_options(self, **options) -> MTPDrafter:
+        """Another depth, the same block (`check_target` found it), a cache of its own."""
+        variant = dataclasses.replace(self, **options)
+        variant.block = self.block
+        variant._reset()
+        return variant
 
     def propose(self, context: DraftContext) -> list[Draft]:
         depth = min(self.depth, context.max_draft_len)
