@@ -28,7 +28,8 @@ from dresd.decoding.forward import LlamaForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter, make_drafter
 from dresd.errors import DresdError
 from dresd.kernels import quant
-from dresd.models.gguf_file import describe, open_gguf
+from dresd.models import gguf as gguf_model
+from dresd.models.gguf_file import Field, describe, open_gguf
 from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
@@ -291,6 +292,23 @@ def test_gemma3_tokenizer_is_the_files_sentencepiece_vocabulary(gemma3_targets, 
     described = describe(open_gguf(gemma3_files["gemma3-q4_0"]))
     assert described["dresd_runs_it_natively"] == "yes"
     assert described["forward"] == "dresd's C decoder"
+
+
+def test_generation_ends_at_the_files_end_of_sequence_and_its_turn_end(gemma3_files):
+    """`eos_token_id` as a config takes it: one id, or the end of sequence and the turn's end
+    where the vocabulary has that token (a Gemma file without <end_of_turn> ran into a crash)."""
+    reader = open_gguf(gemma3_files["gemma3-q4_0"])
+    tokens = reader.fields["tokenizer.ggml.tokens"].value
+    eos, turn = tokens.index("<eos>"), tokens.index("<end_of_turn>")
+    assert gguf_model.gemma3_config(reader, gemma3_files["gemma3-q4_0"]).eos_token_id == [eos,
+                                                                                          turn]
+    reader.fields["tokenizer.ggml.tokens"] = Field([t if t != "<end_of_turn>" else "<x>"
+                                                    for t in tokens])
+    assert gguf_model.gemma3_config(reader, gemma3_files["gemma3-q4_0"]).eos_token_id == eos
+    assert gguf_model.end_of_generation(reader, "<x>", "<eos>") == [eos, turn]
+    del reader.fields["tokenizer.ggml.eos_token_id"]
+    assert gguf_model.end_of_generation(reader, "<|end|>") is None
+    assert gguf_model.end_of_generation(reader, "<x>") == turn
 
 
 def test_a_files_tokenizer_keeps_no_python_copy_of_its_vocabulary(gemma3_targets,

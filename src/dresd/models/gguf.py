@@ -341,7 +341,7 @@ def gemma3_config(reader: GGUFFile, path: Path) -> Gemma3TextConfig:
         hidden_activation="gelu_pytorch_tanh",  # llama.cpp's LLM_FFN_GELU: the tanh form
         tie_word_embeddings="output.weight" not in {t.name for t in reader.tensors},
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=ends[0] if len(ends) == 1 else (ends or None),
+        eos_token_id=ends,
         pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
 
 
