@@ -91,7 +91,8 @@ def large_allocations_mapped(threshold: int = 1 << 20) -> Iterator[None]:
     resident beside what is allocated next: a Llama-3.2-3B Q4_K_M file peaked 157 MB higher.
     Afterwards the threshold is the one the dynamic rule ends at (and the trim threshold twice
     it, as that rule sets it): kept mapped at run time, large prefill buffers cost 7-9% of the
-    prefill's speed in page faults."""
+    prefill's speed in page faults. The setting is the process's: a load beside running
+    requests maps their large buffers too for its while (slower, never other results)."""
     mallopt = libc_function("mallopt")
     if mallopt is None:
         yield

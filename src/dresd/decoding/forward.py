@@ -43,7 +43,8 @@ other sequences share the forward, and a batch of one computes what transformers
 
 Gemma-3's text model runs here on the C decoder only (`LlamaForward.takes_on_c_decoder`: its
 sandwich norms, GELU-tanh gate and sliding-window layers are the C decoder's `LayerForm`, not
-the PyTorch path's); where the C decoder does not build, `make_forward` gives it `HFForward`.
+the PyTorch path's), and so does a Llama-shaped model with a window on every layer (Mistral's,
+a Phi-3 file's); where the C decoder does not build, `make_forward` gives them `HFForward`.
 Its windowed layers read each segment's keys from the first one a row's window holds
 (`_window`), with a mask of their own only where rows of the segment see different windows.
 
