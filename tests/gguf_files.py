@@ -521,7 +521,8 @@ TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight
 
 def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
                            metadata: dict | None = None,
-                           extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+                           extra_tensors: dict[str, np.ndarray] | None = None,
+                           linear_type: Q = Q.BF16) -> Path:
     """`model` (from `transformers_model`) as the bf16 GGUF file llama.cpp's converter writes
     from its folder: its metadata, 2D weights in BF16, norms and rope_freqs in F32, a Llama
     file's q and k rows permuted, Llama 3 scaling as rope_freqs.weight, linear and YaRN scaling
@@ -529,7 +530,8 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
     as `Qwen3MoeModel` writes them: the router `ffn_gate_inp` in F32, each of gate, up and down
     one 3-D tensor of every expert (in `expert_type`), the expert count, used count and size.
     `metadata`: keys (without the architecture) written instead of the model's, and
-    `extra_tensors` (float32), for the tests of files that lie or that dresd refuses."""
+    `extra_tensors` (float32), for the tests of files that lie or that dresd refuses;
+    `linear_type`: the layers' 2-D weights quantized to it (as llama-quantize would)."""
     config = model.config
     arch = {"qwen3_moe": "qwen3moe"}.get(config.model_type, config.model_type)
     rope = config.rope_parameters
@@ -574,8 +576,9 @@ def convert_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
         if weights.ndim == 1:
             writer.add_tensor(gguf_name, weights.astype(np.float32))
         else:
-            data = gguf.quants.quantize(weights, Q.BF16)
-            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
+            qtype = linear_type if gguf_name.startswith("blk.") else Q.BF16
+            data = gguf.quants.quantize(weights, qtype)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=qtype)
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values.astype(np.float32))
     return _finish(writer, path)

@@ -7,6 +7,7 @@ own converter where its sources are here, else `gguf_files.convert_like_llama_cp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -56,6 +57,14 @@ def targets(paths) -> dict:
     return {arch: load_target(str(path)) for arch, path in paths.items()}
 
 
+@pytest.fixture(scope="module")
+def quantized(models, tmp_path_factory):
+    """The windowed model's file with Q4_0 layers: the split rows are whole blocks' rows."""
+    return load_target(str(convert_like_llama_cpp(
+        models["phi3-window"], tmp_path_factory.mktemp("phi3") / "q4_0.gguf",
+        linear_type=gguf.GGMLQuantizationType.Q4_0)))
+
+
 def test_a_phi3_file_is_mistrals_layers_its_projections_split(targets, paths, models):
     """Either way the C decoder, the window (where the file sets one) on every layer as
     Phi3 applies it. The split rows are the fused tensor's, in order."""
@@ -73,6 +82,21 @@ def test_a_phi3_file_is_mistrals_layers_its_projections_split(targets, paths, mo
     assert (split - x.float() @ fused.T).abs().max() < 0.05  # bf16 activations, bf16 weights
     described = describe(open_gguf(paths["phi3"]))
     assert described["dresd_runs_it_natively"] == "yes"
+
+
+def test_a_quantized_fused_tensors_rows_split_into_whole_blocks(quantized):
+    """Q4_0 q/k/v and gate/up: each part computes the bits of its rows of the whole tensor."""
+    reader = open_gguf(Path(quantized.name))
+    layer = quantized.model.model.layers[1]
+    x = torch.randn(5, HF_SHAPE["hidden_size"]).to(torch.bfloat16)
+    for fused, parts in (("attn_qkv", [layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                       layer.self_attn.v_proj]),
+                         ("ffn_up", [layer.mlp.gate_proj, layer.mlp.up_proj])):
+        [tensor] = [t for t in reader.tensors if t.name == f"blk.1.{fused}.weight"]
+        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        k, n = tensor.shape[:2]
+        whole = quant.QuantLinear.from_blocks(tensor.tensor_type, np.asarray(tensor.data), n, k)
+        assert torch.equal(torch.cat([part(x) for part in parts], dim=-1), whole(x))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -115,9 +139,9 @@ def test_phi3_llama_cpps_own_converter_file(models, paths, arch, tmp_path):
     check_against_reference(load_target(str(converted)), models[arch], all_equal=False)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_phi3_every_method_is_plain_decoding_and_batched_is_alone(targets, arch):
-    model = targets[arch].model
+@pytest.mark.parametrize("arch", [*ARCHS, "phi3-window-q4_0"])
+def test_phi3_every_method_is_plain_decoding_and_batched_is_alone(targets, quantized, arch):
+    model = quantized.model if arch.endswith("q4_0") else targets[arch].model
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, VOCAB, size).tolist() for size in (5, 33, 60)]
     prompts.append([21, 22, 23, 24] * 6)  # repeats: PLD drafts

@@ -21,7 +21,11 @@ OUTPUT=${OUTPUT:-gguf_speed}  # the results' file names under benchmarks/results
 TOKENS=${TOKENS:-128}  # tg128 by default; fewer (and fewer REPETITIONS) for large files
 REPETITIONS=${REPETITIONS:-5}
 mkdir -p "$OUT"
-build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+# LLAMA_BENCH: another llama-bench (the tiers build's zen4 variant where the native build
+# crashes, as on the Intel Xeon with AMX: benchmarks/results/peers/load_time.md)
+LLAMA_BENCH=${LLAMA_BENCH:-$BUILD/bin/llama-bench}
+[ "$LLAMA_BENCH" != "$BUILD/bin/llama-bench" ] ||
+  build_llama_tool "$BUILD" llama-bench -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
 fetch_q4_1
 read -r -a files <<< "$Q4_1 ${FILES:-}"
 : > "$OUT/$OUTPUT.jsonl"
@@ -29,7 +33,7 @@ for round in $(seq "$ROUNDS"); do
   for file in "${files[@]}"; do
     name=$(basename "$file" .gguf)
     for threads in $THREADS; do
-      "$BUILD/bin/llama-bench" -m "$file" -p 0 -n "$TOKENS" -r "$REPETITIONS" -t "$threads" -o jsonl \
+      "$LLAMA_BENCH" -m "$file" -p 0 -n "$TOKENS" -r "$REPETITIONS" -t "$threads" -o jsonl \
         | sed "s/^{/{\"runner\": \"llama.cpp $name\", \"round\": $round, /" \
         >> "$OUT/$OUTPUT.jsonl"
       PYTHONPATH=src .venv/bin/python benchmarks/peers/decode_step.py --model "$file" \

@@ -12,6 +12,10 @@
   tokens) with the sizes its public descriptions leave out taken from transformers'
   `Qwen3_5TextConfig` defaults (assumed, not read from the checkpoint): MLP 9216, Gated
   DeltaNet 16 key and 32 value heads of 128, convolution of 4; tied embedding.
+- `phi-3-mini`: Phi-3-mini-4k's (32 layers, 32 heads of 96, MLP 8192, a window of 2047 on
+  every layer), q/k/v and gate/up each one tensor as llama.cpp's converter writes them; its
+  own output head; the default model's 49,152 tokens, not Phi-3's 32,064 (the padded tokenizer
+  below cannot be cut: 1.5% more weight bytes a step, for both engines).
 - `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 used, the router in F32)
   for `--layers` of its 48 layers (each layer is ~1.2 GB in F16, ~0.3 GB in Q4_K_M).
 
@@ -74,6 +78,8 @@ CONFIGS = {
     "gemma3-1b": Config("gemma3", 1152, 6912, 4, 1, 256, 26, 262144, 1_000_000.0, window=512),
     "qwen3.5-4b": Config("qwen35", 2560, 9216, 16, 4, 256, 32, 248320, 10_000_000.0,
                          linear_heads=(16, 32, 128, 128)),
+    "phi-3-mini": Config("phi3", 3072, 8192, 32, 32, 96, 32, 49152, 10000.0, 1e-5, tied=False,
+                         window=2047),
     "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
                             tied=False, experts=128, experts_used=8, expert_ffn=768),
 }
@@ -119,9 +125,10 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if c.arch in ("llama", "phi3"):
+        writer.add_rope_dimension_count(c.head_dim)
     if c.arch == "llama":
         writer.add_vocab_size(c.vocab)
-        writer.add_rope_dimension_count(c.head_dim)
     if c.window:
         writer.add_sliding_window(c.window)
     linear_layers = []
@@ -162,9 +169,12 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
         if c.arch == "gemma3":
             norm(blk + "post_attention_norm.weight", c.hidden)
             norm(blk + "post_ffw_norm.weight", c.hidden)
-        writer.add_tensor(blk + "attn_q.weight", weights(q_size, c.hidden))
-        writer.add_tensor(blk + "attn_k.weight", weights(kv_size, c.hidden))
-        writer.add_tensor(blk + "attn_v.weight", weights(kv_size, c.hidden))
+        if c.arch == "phi3":  # q, k, v in one tensor; gate then up in another
+            writer.add_tensor(blk + "attn_qkv.weight", weights(q_size + 2 * kv_size, c.hidden))
+        else:
+            writer.add_tensor(blk + "attn_q.weight", weights(q_size, c.hidden))
+            writer.add_tensor(blk + "attn_k.weight", weights(kv_size, c.hidden))
+            writer.add_tensor(blk + "attn_v.weight", weights(kv_size, c.hidden))
         writer.add_tensor(blk + "attn_output.weight", weights(c.hidden, q_size))
         if c.experts:  # the router differs per layer, so each layer routes a row its own way
             writer.add_tensor(blk + "ffn_gate_inp.weight", (0.05 * rng.standard_normal(
@@ -188,8 +198,11 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
 
 
 def add_mlp(writer: gguf.GGUFWriter, c: Config, blk: str, weights) -> None:
-    writer.add_tensor(blk + "ffn_gate.weight", weights(c.intermediate, c.hidden))
-    writer.add_tensor(blk + "ffn_up.weight", weights(c.intermediate, c.hidden))
+    if c.arch == "phi3":
+        writer.add_tensor(blk + "ffn_up.weight", weights(2 * c.intermediate, c.hidden))
+    else:
+        writer.add_tensor(blk + "ffn_gate.weight", weights(c.intermediate, c.hidden))
+        writer.add_tensor(blk + "ffn_up.weight", weights(c.intermediate, c.hidden))
     writer.add_tensor(blk + "ffn_down.weight", weights(c.hidden, c.intermediate))
 
 

@@ -167,12 +167,13 @@ class _Tensors:
 
     def linear(self, name: str, rows: np.ndarray | None = None, bias: str | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-        """`name` as a linear layer; `rows`: the order to take the output rows in."""
+        """`name` as a linear layer; `rows`: which output rows to take, in which order (a
+        permutation, or a range of a fused tensor's rows)."""
         tensor = self.get(name)
         k, n = (int(size) for size in tensor.shape[:2])  # GGUF lists the inner size first
         raw = np.asarray(tensor.data).reshape(n, -1)
         if rows is not None:
-            raw = raw[rows]
+            raw, n = raw[rows], len(rows)
         bias_values = self.floats(bias) if bias and bias in self else None
         if bias_values is not None and rows is not None:
             bias_values = bias_values[torch.from_numpy(rows)]
