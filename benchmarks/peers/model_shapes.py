@@ -113,7 +113,8 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
 
     c = config
     writer = gguf.GGUFWriter(str(path), c.arch)
-    writer.add_name(f"random {c.arch} shape")
+    # (llama.cpp looks for Phi-3's </s>, <s> and <unk> in a file whose name says "phi3")
+    writer.add_name("random shape" if c.arch == "phi3" else f"random {c.arch} shape")
     writer.add_block_count(c.layers)
     writer.add_context_length(131072 if c.llama3_rope else 32768)
     writer.add_embedding_length(c.hidden)
