@@ -393,6 +393,8 @@ def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
         raise GGUFError(f"{path}: LongRoPE scaling (rope_factors_long/short: a 128k-context "
                         "Phi-3 model) is not one dresd runs.")
     window = int(metadata_number(reader, path, key("attention.sliding_window"), 0))
+    if window < 0:
+        raise GGUFError(f"{path}: metadata 'phi3.attention.sliding_window' is {window}.")
     return MistralConfig(
         vocab_size=token_rows(reader, path),
         hidden_size=hidden,
