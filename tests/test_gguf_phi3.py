@@ -189,3 +189,32 @@ def test_a_mistral_folder_with_a_window_runs_on_the_c_decoder(tmp_path):
     with torch.inference_mode():
         own = target.model(torch.tensor([ids])).logits[0].float()
     assert torch.equal(dresd_logits(target, ids), own)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_phi3_folder_runs_as_its_file_does(models, arch, tmp_path):
+    """A transformers folder takes the same path: its fused weights split by rows into
+    Mistral's modules, on the C decoder, the window on every layer; the reference's logits
+    and tokens, every method `ar`'s."""
+    target = load_target(str(save_transformers_folder(models[arch], tmp_path / arch)))
+    assert type(target.model).__name__ == "MistralForCausalLM"
+    forward = make_forward(target.model)
+    assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
+    assert forward.window == (PHI3_WINDOW if arch == "phi3-window" else None)
+    check_against_reference(target, models[arch], all_equal=False)
+    prompt = [21, 22, 23, 24] * 6
+    plain = speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
+                                 max_new_tokens=24).token_ids
+    for drafter in (PromptLookupDrafter(num_drafts=3), RandomTreeDrafter(seed=3,
+                                                                         vocab_size=VOCAB)):
+        assert speculative_generate(target.model, drafter, torch.tensor(prompt),
+                                    max_new_tokens=24).token_ids == plain
+
+
+def test_a_phi3_folder_mistral_cannot_compute_stays_phi3(tmp_path):
+    """A rope on part of each head (Phi-4-mini) is no Mistral layer: transformers' own
+    Phi3 forward runs it."""
+    model = transformers_model("phi3", seed=2)
+    model.config.rope_parameters["partial_rotary_factor"] = 0.5
+    target = load_target(str(save_transformers_folder(model, tmp_path / "partial")))
+    assert type(target.model).__name__ == "Phi3ForCausalLM"

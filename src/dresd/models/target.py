@@ -24,6 +24,7 @@ from dresd.errors import DresdError
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cache_dir, large_allocations_mapped
 from dresd.kernels.linear import invariant_linears
+from dresd.models import phi3
 from dresd.models.fastpath import (
     activation_dtype,
     prepack_linears,
@@ -207,6 +208,8 @@ def _load_folder_target(name: str, dtype: str | torch.dtype, device: torch.devic
         ) from err
     model.eval()
     fingerprint = model_fingerprint(model)  # the checkpoint's, before the cast
+    if phi3.runs_as_mistral(model):  # its fused projections split: the C decoder runs it
+        model = phi3.as_mistral(model)
     model.to(device=device, dtype=dtype)
     # Batch invariance needs both: row-invariant linears and attention. Both are CPU-only: on a
     # GPU (or in fp16) nothing is packed and SDPA stays. bf16 on a CPU with AVX-512 bf16 takes
