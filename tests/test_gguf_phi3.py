@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from drafters_for_tests import OracleDrafter, RandomTreeDrafter
+from drafters_for_tests import RandomTreeDrafter
 from gguf_files import (
     HF_SHAPE,
     PHI3_WINDOW,
@@ -23,11 +23,17 @@ from gguf_files import (
     save_transformers_folder,
     transformers_model,
 )
-from test_batch import run_batched
-from test_gguf_rope_scaling import NEW, PROMPT, VOCAB, check_against_reference, dresd_logits
+from test_gguf_rope_scaling import (
+    NEW,
+    PROMPT,
+    VOCAB,
+    check_against_reference,
+    check_every_method_and_batching,
+    dresd_logits,
+    random_and_repeating_prompts,
+)
 
 from dresd.decoding import speculative_generate
-from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter
 from dresd.errors import DresdError
@@ -142,23 +148,7 @@ def test_phi3_llama_cpps_own_converter_file(models, paths, arch, tmp_path):
 @pytest.mark.parametrize("arch", [*ARCHS, "phi3-window-q4_0"])
 def test_phi3_every_method_is_plain_decoding_and_batched_is_alone(targets, quantized, arch):
     model = quantized.model if arch.endswith("q4_0") else targets[arch].model
-    rng = np.random.default_rng(6)
-    prompts = [rng.integers(0, VOCAB, size).tolist() for size in (5, 33, 60)]
-    prompts.append([21, 22, 23, 24] * 6)  # repeats: PLD drafts
-    plain = [speculative_generate(model, NoDrafter(), torch.tensor(prompt),
-                                  max_new_tokens=24).token_ids for prompt in prompts]
-    for prompt, expected in zip(prompts, plain, strict=True):
-        for drafter in (PromptLookupDrafter(num_drafts=3),
-                        OracleDrafter(len(prompt), expected, draft_len=6, corrupt=0.5, seed=1,
-                                      vocab_size=VOCAB),
-                        RandomTreeDrafter(seed=len(prompt), vocab_size=VOCAB)):
-            got = speculative_generate(model, drafter, torch.tensor(prompt),
-                                       max_new_tokens=24).token_ids
-            assert got == expected, type(drafter).__name__
-    requests = [Request(prompt=p, drafter=PromptLookupDrafter(num_drafts=2), max_new_tokens=24,
-                        eos_token_ids=[]) for p in prompts]
-    results = run_batched(model, requests, [0, 0, 2, 5], max_batch_size=3, prefill_chunk=8)
-    assert [r.token_ids for r in results] == plain
+    check_every_method_and_batching(model, random_and_repeating_prompts(), [0, 0, 2, 5], 8)
 
 
 def test_phi3_files_dresd_does_not_run_are_one_clear_error(models, tmp_path):

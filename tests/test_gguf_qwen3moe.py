@@ -12,24 +12,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from drafters_for_tests import OracleDrafter, RandomTreeDrafter
 from gguf_files import MOE_SHAPE, Q, convert_like_llama_cpp, transformers_model
-from test_batch import run_batched
 from test_gguf_rope_scaling import (
     LOGIT_TOLERANCE,
     NEAR_TIE,
     NEW,
     PROMPT,
     VOCAB,
+    check_every_method_and_batching,
     dresd_logits,
+    random_and_repeating_prompts,
     reference_greedy,
     tokens_agreeing,
 )
 
 from dresd.decoding import speculative_generate
-from dresd.decoding.batch import Request
 from dresd.decoding.forward import LlamaForward, Segment, make_forward
-from dresd.drafters import NoDrafter, PromptLookupDrafter
+from dresd.drafters import NoDrafter
 from dresd.kernels import quant
 from dresd.kernels.experts import MoEDecoder, MoEMLP
 from dresd.models.gguf_file import GGUFError, describe, open_gguf
@@ -212,24 +211,8 @@ def test_qwen3moe_experts_rows_as_alone(which, target, q8_target):
 def test_qwen3moe_every_method_is_plain_decoding_and_batched_is_alone(which, target,
                                                                        q8_target):
     target = target if which == "bf16" else q8_target
-    rng = np.random.default_rng(6)
-    prompts = [rng.integers(0, VOCAB, size).tolist() for size in (5, 33, 60)]
-    prompts.append([21, 22, 23, 24] * 6)  # repeats: PLD drafts
-    plain = [speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
-                                  max_new_tokens=24).token_ids for prompt in prompts]
-    for prompt, expected in zip(prompts, plain, strict=True):
-        for drafter in (PromptLookupDrafter(num_drafts=3),
-                        OracleDrafter(len(prompt), expected, draft_len=6, corrupt=0.5, seed=1,
-                                      vocab_size=VOCAB),
-                        RandomTreeDrafter(seed=len(prompt), vocab_size=VOCAB)):
-            got = speculative_generate(target.model, drafter, torch.tensor(prompt),
-                                       max_new_tokens=24).token_ids
-            assert got == expected, type(drafter).__name__
-    requests = [Request(prompt=p, drafter=PromptLookupDrafter(num_drafts=2), max_new_tokens=24,
-                        eos_token_ids=[]) for p in prompts]
-    results = run_batched(target.model, requests, [0, 0, 2, 5], max_batch_size=3,
-                          prefill_chunk=8)
-    assert [r.token_ids for r in results] == plain
+    check_every_method_and_batching(target.model, random_and_repeating_prompts(), [0, 0, 2, 5],
+                                    8)
 
 
 @pytest.mark.parametrize("metadata, message", [

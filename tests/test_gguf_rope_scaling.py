@@ -87,6 +87,35 @@ def check_against_reference(target, model, prompt_seed: int = 0, all_equal: bool
     return agree, difference
 
 
+def random_and_repeating_prompts() -> list[list[int]]:
+    """Random prompts of 5, 33 and 60 tokens, and one of a repeated motif (PLD drafts)."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, VOCAB, size).tolist() for size in (5, 33, 60)]
+    return [*prompts, [21, 22, 23, 24] * 6]
+
+
+def check_every_method_and_batching(model, prompts: list[list[int]], arrivals: list[int],
+                                    prefill_chunk: int) -> None:
+    """PLD, an oracle with half its drafts corrupted and random trees give plain decoding's 24
+    tokens on every prompt; batched (requests arriving at the steps `arrivals`, 3 at a time,
+    prompts in chunks of `prefill_chunk`), each prompt gives its tokens alone."""
+    plain = [speculative_generate(model, NoDrafter(), torch.tensor(prompt),
+                                  max_new_tokens=24).token_ids for prompt in prompts]
+    for prompt, expected in zip(prompts, plain, strict=True):
+        for drafter in (PromptLookupDrafter(num_drafts=3),
+                        OracleDrafter(len(prompt), expected, draft_len=6, corrupt=0.5, seed=1,
+                                      vocab_size=VOCAB),
+                        RandomTreeDrafter(seed=len(prompt), vocab_size=VOCAB)):
+            got = speculative_generate(model, drafter, torch.tensor(prompt),
+                                       max_new_tokens=24).token_ids
+            assert got == expected, type(drafter).__name__
+    requests = [Request(prompt=p, drafter=PromptLookupDrafter(num_drafts=2), max_new_tokens=24,
+                        eos_token_ids=[]) for p in prompts]
+    results = run_batched(model, requests, arrivals, max_batch_size=3,
+                          prefill_chunk=prefill_chunk)
+    assert [r.token_ids for r in results] == plain
+
+
 @pytest.fixture(scope="module")
 def models() -> dict:
     return {name: transformers_model("llama", rope, seed=SEED) for name, rope in ROPES.items()}
@@ -147,24 +176,10 @@ def test_llama_cpps_own_converter_writes_the_same_tensors(models, files, name, t
 
 
 def test_every_method_is_plain_decoding_and_batched_is_alone(targets):
-    target = targets["llama3"]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, VOCAB, size).tolist() for size in (40, 70)]
     prompts.append([11, 12, 13, 11, 12, 13] * 7)  # repeats: PLD drafts, past position 32
-    plain = [speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
-                                  max_new_tokens=24).token_ids for prompt in prompts]
-    for prompt, expected in zip(prompts, plain, strict=True):
-        for drafter in (PromptLookupDrafter(num_drafts=3),
-                        OracleDrafter(len(prompt), expected, draft_len=6, corrupt=0.5, seed=1,
-                                      vocab_size=VOCAB),
-                        RandomTreeDrafter(seed=len(prompt), vocab_size=VOCAB)):
-            got = speculative_generate(target.model, drafter, torch.tensor(prompt),
-                                       max_new_tokens=24).token_ids
-            assert got == expected, type(drafter).__name__
-    requests = [Request(prompt=p, drafter=PromptLookupDrafter(num_drafts=2), max_new_tokens=24,
-                        eos_token_ids=[]) for p in prompts]
-    results = run_batched(target.model, requests, [0, 1, 3], max_batch_size=3, prefill_chunk=16)
-    assert [r.token_ids for r in results] == plain
+    check_every_method_and_batching(targets["llama3"].model, prompts, [0, 1, 3], 16)
 
 
 @pytest.mark.parametrize("name", list(ROPES))
