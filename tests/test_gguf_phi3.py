@@ -33,6 +33,7 @@ from test_gguf_rope_scaling import (
     random_and_repeating_prompts,
 )
 
+from dresd.cli.main import main
 from dresd.decoding import speculative_generate
 from dresd.decoding.forward import LlamaForward, make_forward
 from dresd.drafters import NoDrafter, PromptLookupDrafter
@@ -151,12 +152,18 @@ def test_phi3_every_method_is_plain_decoding_and_batched_is_alone(targets, quant
     check_every_method_and_batching(model, random_and_repeating_prompts(), [0, 0, 2, 5], 8)
 
 
-def test_phi3_files_dresd_does_not_run_are_one_clear_error(models, tmp_path):
-    """A partial rotary factor (Phi-4-mini) and LongRoPE (the 128k models) are refused."""
+def test_phi3_files_dresd_does_not_run_are_one_clear_error(models, tmp_path, capsys):
+    """A partial rotary factor (Phi-4-mini) and LongRoPE (the 128k models) are refused, and
+    `dresd inspect` says so."""
     partial = transformers_model("phi3", seed=2)
     partial.config.rope_parameters["partial_rotary_factor"] = 0.5
+    partial_file = convert_like_llama_cpp(partial, tmp_path / "partial.gguf")
     with pytest.raises(DresdError, match="rope turns 32 of each head's 64"):
-        load_target(str(convert_like_llama_cpp(partial, tmp_path / "partial.gguf")))
+        load_target(str(partial_file))
+    assert main(["inspect", str(partial_file), "--json"]) == 0  # says so before a load
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["dresd_runs_it_natively"].startswith("no (the rope turns 32")
+    assert figures["forward"] is None
     path = convert_like_llama_cpp(models["phi3"], tmp_path / "longrope.gguf",
                                   extra_tensors={"rope_factors_long.weight": np.ones(32)})
     with pytest.raises(DresdError, match="LongRoPE"):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from dresd.datastore.inspect import describe, format_description
+from dresd.models.gguf import refusal
 from dresd.models.gguf_file import describe as describe_gguf
 from dresd.models.gguf_file import is_gguf, open_gguf
 
@@ -24,7 +25,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if is_gguf(str(args.datastore)):
-        figures = describe_gguf(open_gguf(args.datastore))  # a damaged file is an error
+        reader = open_gguf(args.datastore)  # a damaged file is an error
+        figures = describe_gguf(reader)
+        refused = refusal(reader, args.datastore) if figures["forward"] else None
+        if refused:  # what loading it would say (the metadata and every tensor, checked)
+            figures.update(dresd_runs_it_natively=f"no ({refused})", forward=None)
         print(json.dumps(figures, indent=2) if args.json else
               "\n".join(f"{key}: {value}" for key, value in figures.items()))
         return 0

@@ -904,6 +904,16 @@ def expected_tensors(sizes: Sizes, arch: Architecture, present: set[str]
     return expected
 
 
+def refusal(reader: GGUFFile, path: Path) -> str | None:
+    """Why loading the file would stop at its metadata or tensors (`check_model_tensors`'s
+    error, without the path), or None: what `dresd inspect` says of a file before it is run."""
+    try:
+        check_model_tensors(reader, path, spec.of_gguf(metadata(reader, "general.architecture")))
+    except (GGUFError, spec.ArchitectureError) as err:
+        return str(err).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+    return None
+
+
 def check_model_tensors(reader: GGUFFile, path: Path, arch: Architecture) -> Sizes:
     """The validation pass before anything is built from the file, and before any C call: every
     tensor the architecture reads is present, of a type it may have, of the shape its metadata's
