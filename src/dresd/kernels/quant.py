@@ -464,13 +464,16 @@ def fuse(modules: list[QuantLinear]) -> QuantLinear | QuantParts:
     if (any(m.qtype != first.qtype or m.out_features % GROUP for m in modules)
             or any(m.out_dtype != first.out_dtype for m in modules)):
         return QuantParts(modules)
-    fused = QuantLinear(first.qtype, torch.cat([m.packed for m in modules]),
-                        sum(m.out_features for m in modules), first.in_features,
-                        _stacked_bias(modules), first.out_dtype)
+    # Each part is copied into its place and then reads it there, its own buffer freed before
+    # the next is copied: the load's peak grows by the largest part, not by all of them.
+    packed = torch.empty(sum(m.packed.numel() for m in modules), dtype=first.packed.dtype)
+    fused = QuantLinear(first.qtype, packed, sum(m.out_features for m in modules),
+                        first.in_features, _stacked_bias(modules), first.out_dtype)
     offset = outputs = 0
     for module in modules:  # each part reads its rows of the fused buffers
         size = module.packed.numel()
-        module.packed = fused.packed[offset:offset + size]
+        packed[offset:offset + size].copy_(module.packed)
+        module.packed = packed[offset:offset + size]
         if module.bias is not None:
             module.bias = fused.bias[outputs:outputs + module.out_features]
         offset, outputs = offset + size, outputs + module.out_features

@@ -77,7 +77,7 @@ from dresd.kernels.experts import MoEMLP
 from dresd.kernels.experts import kernel as experts_kernel
 from dresd.kernels.linear import InvariantLinear, dense_weight
 from dresd.kernels.linear import kernel as linear_kernel
-from dresd.models import spec
+from dresd.models import compact_tokenizer, spec
 from dresd.models.gguf_file import (
     FLOAT_TYPES,
     SUPPORTED_TYPES,
@@ -969,24 +969,38 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
     with open(path, "rb") as file:
         key = hashlib.sha256(file.read(reader.data_offset))
     folder = cache_dir() / "gguf" / key.hexdigest()[:24]
-    if (folder / "config.json").exists():
-        tokenizer = without_build_copies(AutoTokenizer.from_pretrained(folder))
-        return own or AutoConfig.from_pretrained(folder), with_chat_template(tokenizer, reader)
-    config = own or AutoConfig.for_model(
-        **load_gguf_checkpoint(str(path), return_tensors=False)["config"])
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as err:
-        raise GGUFError(f"{path}: its tokenizer could not be read ({err}).") from err
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
-        config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    if not (folder / "config.json").exists():
+        config = own or AutoConfig.for_model(
+            **load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         try:
-            Path(staging).rename(folder)  # atomic: the cache holds a whole folder or none
-        except OSError:
-            pass  # another process saved it first
-    return config, with_chat_template(without_build_copies(tokenizer), reader)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as err:
+            raise GGUFError(f"{path}: its tokenizer could not be read ({err}).") from err
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
+            config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            try:
+                Path(staging).rename(folder)  # atomic: the cache holds a whole folder or none
+            except OSError:
+                pass  # another process saved it first
+        del tokenizer
+    return (own or AutoConfig.from_pretrained(folder),
+            with_chat_template(cached_tokenizer(folder), reader))
+
+
+def cached_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `folder`, compact (`compact_tokenizer`: the same ids in a few MB)
+    where it has a compact form, written there on its first load. Always as the folder loads
+    it, the first load too: a tokenizer read from the file can differ from its saved copy
+    (a Qwen2 file's loses Qwen2Tokenizer's NFC normalizer, added tokens' hidden state), and
+    every load of a file must give the same ids and fingerprint."""
+    tokenizer = compact_tokenizer.load_compact(folder)
+    if tokenizer is None and not compact_tokenizer.has_no_compact_form(folder):
+        compact_tokenizer.save_compact(folder)
+        give_back_free_heap()  # the full tokenizer, parsed to write the tables
+        tokenizer = compact_tokenizer.load_compact(folder)
+    return tokenizer or without_build_copies(AutoTokenizer.from_pretrained(folder))
 
 
 def without_build_copies(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -1047,13 +1061,15 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
+    # The head first: its packing's transient (a slice of its mapped rows, `pack_blocks`) then
+    # stacks on nothing else packed; a layer's tensors, packed last, are smaller.
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
+    model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     if arch.recurrent_layers:
         fill_qwen35(model, tensors)
     else:
         _fill_layers(model, tensors, arch)
     decoder = model.model
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
-    model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     with torch.device("cpu"):  # its frequencies, computed (they are no weights of the file)
         decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     if ROPE_FREQS in tensors:  # Llama 3.1-3.3's scaling, as the converter stores it
