@@ -1061,15 +1061,13 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
-    # The head first: its packing's transient (a slice of its mapped rows, `pack_blocks`) then
-    # stacks on nothing else packed; a layer's tensors, packed last, are smaller.
-    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
-    model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     if arch.recurrent_layers:
         fill_qwen35(model, tensors)
     else:
         _fill_layers(model, tensors, arch)
     decoder = model.model
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
+    model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     with torch.device("cpu"):  # its frequencies, computed (they are no weights of the file)
         decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
     if ROPE_FREQS in tensors:  # Llama 3.1-3.3's scaling, as the converter stores it
