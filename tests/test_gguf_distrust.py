@@ -317,3 +317,29 @@ def test_the_kernels_tests_pass_under_address_and_undefined_behaviour_sanitizers
     assert " passed" in output and "skipped" not in output.splitlines()[-1], output[-2000:]
     # with -s: how many ran under the sanitizers
     print(next(line for line in reversed(output.splitlines()) if " passed" in line))
+
+
+def test_long_arrays_are_checked_at_once_and_read_when_asked(tmp_path):
+    """A vocabulary's arrays (tokens, types, merges) are walked and checked as the header is
+    read, but kept as `LongArray`s, read into Python values only when asked for: the same
+    values as the `gguf` package's reader; a token that is not UTF-8 is still refused at once."""
+    from dresd.models.gguf_file import GGUFError, LongArray, forget_vocabulary, open_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    reader, theirs = open_gguf(path), GGUFReader(path)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        assert isinstance(reader.fields[key].value, LongArray)
+        assert reader.fields[key].contents() == theirs.fields[key].contents()
+    assert reader.fields["tokenizer.ggml.bos_token_id"].contents() == \
+        theirs.fields["tokenizer.ggml.bos_token_id"].contents()
+    forget_vocabulary(reader)
+    assert "tokenizer.ggml.tokens" not in reader.fields
+    assert "tokenizer.ggml.bos_token_id" in reader.fields
+    data = bytearray(path.read_bytes())
+    token = struct.pack("<Q", 3) + b"the"  # a token of the vocabulary, as the header holds it
+    at = data.index(token, 0, theirs.data_offset) + 8
+    data[at] = 0xFF
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="not UTF-8"):
+        open_gguf(damaged)

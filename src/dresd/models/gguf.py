@@ -6,7 +6,7 @@
                       -> every tensor the spec reads checked: present, typed, shaped
                       -> the file's metadata (sizes, rope) -> a transformers config
                       -> its tokenizer (transformers reads it from the file: chat template,
-                         special tokens)
+                         special tokens; held compactly, `compact_tokenizer`)
                       -> a transformers model built on the meta device (no weights allocated),
                          whose modules then take the file's tensors:
                            linears: `kernels.quant.QuantLinear`, the blocks packed once, never
@@ -946,10 +946,10 @@ def check_model_tensors(reader: GGUFFile, path: Path, arch: Architecture) -> Siz
     embedding = "token_embd.weight"
     vocab = shape(embedding)[0] if embedding in by_name else 0  # any number of rows
     check(embedding, (vocab, sizes.hidden), SUPPORTED_TYPES)
-    tokens = metadata(reader, "tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens) > vocab:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # (its length: the strings unread)
+    if tokens is not None and len(tokens.value) > vocab:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' has {vocab} rows for a tokenizer "
-                        f"of {len(tokens)} tokens.")
+                        f"of {len(tokens.value)} tokens.")
     if "output.weight" in by_name:
         check("output.weight", (vocab, sizes.hidden), SUPPORTED_TYPES)
     return sizes
@@ -960,7 +960,8 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
     """The file's transformers config and tokenizer. transformers reads both from the file's
     metadata, parsing its vocabulary each time (~8 s for a 49k vocabulary); so the first load
     saves them in the cache, keyed by the metadata's bytes (everything before the tensors'
-    data: the same for every copy of the file), and later loads read that folder. A Gemma-3
+    data: the same for every copy of the file), and every load reads that folder (the
+    tokenizer: `cached_tokenizer`). A Gemma-3
     file's config is dresd's reading (`gemma3_config`, cheap, so never taken from the cache);
     its tokenizer is transformers' (a sentencepiece vocabulary: its Gemma builder, which
     rebuilds the merges from the tokens' order; a byte-level one: as for Llama files)."""
@@ -1000,7 +1001,7 @@ def cached_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
         compact_tokenizer.save_compact(folder)
         give_back_free_heap()  # the full tokenizer, parsed to write the tables
         tokenizer = compact_tokenizer.load_compact(folder)
-    return tokenizer or without_build_copies(AutoTokenizer.from_pretrained(folder))
+    return without_build_copies(tokenizer or AutoTokenizer.from_pretrained(folder))
 
 
 def without_build_copies(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
