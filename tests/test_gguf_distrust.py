@@ -323,7 +323,13 @@ def test_long_arrays_are_checked_at_once_and_read_when_asked(tmp_path):
     """A vocabulary's arrays (tokens, types, merges) are walked and checked as the header is
     read, but kept as `LongArray`s, read into Python values only when asked for: the same
     values as the `gguf` package's reader; a token that is not UTF-8 is still refused at once."""
-    from dresd.models.gguf_file import GGUFError, LongArray, forget_vocabulary, open_gguf
+    from dresd.models.gguf_file import (
+        GGUFError,
+        LongArray,
+        forget_vocabulary,
+        open_gguf,
+        token_indices,
+    )
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     reader, theirs = open_gguf(path), GGUFReader(path)
@@ -332,6 +338,10 @@ def test_long_arrays_are_checked_at_once_and_read_when_asked(tmp_path):
         assert reader.fields[key].contents() == theirs.fields[key].contents()
     assert reader.fields["tokenizer.ggml.bos_token_id"].contents() == \
         theirs.fields["tokenizer.ggml.bos_token_id"].contents()
+    tokens = theirs.fields["tokenizer.ggml.tokens"].contents()
+    wanted = [tokens[7], tokens[-1], tokens[1000], "no such token", tokens[7]]
+    assert token_indices(reader, wanted) == {text: tokens.index(text) for text in wanted
+                                             if text in tokens}
     forget_vocabulary(reader)
     assert "tokenizer.ggml.tokens" not in reader.fields
     assert "tokenizer.ggml.bos_token_id" in reader.fields

@@ -90,6 +90,7 @@ from dresd.models.gguf_file import (
     metadata_number,
     metadata_size,
     open_gguf,
+    token_indices,
     token_rows,
 )
 from dresd.models.mtp import MultiTokenPredictor
@@ -350,11 +351,10 @@ def end_of_generation(reader: GGUFFile, *texts: str) -> int | list[int] | None:
     """The file's end of sequence and the tokens among `texts` it has, as a config's
     `eos_token_id`: llama.cpp also ends generation at such tokens (end-of-generation by their
     text), which end an instruct model's chat turn where its end of sequence does not."""
-    tokens = metadata(reader, "tokenizer.ggml.tokens") or []
     eos = metadata(reader, "tokenizer.ggml.eos_token_id")
     ends = [eos] if eos is not None else []
-    ends += [tokens.index(text) for text in texts if text in tokens
-             and tokens.index(text) not in ends]
+    present = token_indices(reader, texts)
+    ends += [present[text] for text in texts if text in present and present[text] not in ends]
     return ends[0] if len(ends) == 1 else (ends or None)
 
 

@@ -9,6 +9,7 @@ import hashlib
 import itertools
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -111,6 +112,32 @@ class LongArray:
 
     def __len__(self) -> int:
         return self.count
+
+    def first_indices(self, wanted: Iterable[str]) -> dict[str, int]:
+        """Where each of `wanted` first stands among the array's strings (those it has), each
+        compared as bytes, none kept (the array was checked as the header was read)."""
+        targets = {text.encode("utf-8"): text for text in wanted}
+        lengths, found, at = {len(target) for target in targets}, {}, self.start
+        unpack = struct.Struct("<Q").unpack_from
+        for index in range(self.count):
+            length = unpack(self.data, at)[0]
+            if length in lengths:
+                text = targets.get(bytes(self.data[at + 8:at + 8 + length]))
+                if text is not None:
+                    found.setdefault(text, index)
+            at += 8 + length
+        return found
+
+
+def token_indices(reader: GGUFFile, texts: Iterable[str]) -> dict[str, int]:
+    """The ids of those of `texts` that are tokens of the file's vocabulary."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return {}
+    if isinstance(field.value, LongArray):
+        return field.value.first_indices(texts)
+    tokens = field.contents()
+    return {text: tokens.index(text) for text in texts if text in tokens}
 
 
 LONG_ARRAY = 4096  # items: an array this long is read when asked for (`LongArray`)
