@@ -203,3 +203,26 @@ def test_every_load_of_a_file_gives_the_same_tokenizer(gguf_files):
     assert tokenizer_fingerprint(first) == tokenizer_fingerprint(later)
     text = compact_tokenizer.SAMPLE_TEXT
     assert first(text)["input_ids"] == later(text)["input_ids"]
+
+
+def test_grammars_see_the_same_vocabulary(gguf_files, tmp_path):
+    """llguidance reads a tokenizer through its backend's JSON (`to_str`, on a copy): the
+    compact tokenizer gives it the full one's, so a grammar allows the same tokens."""
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+
+    path = gguf_files["byte-level"]
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+    full, compact = saved_pair(tmp_path)
+    lark = llguidance.LLMatcher.grammar_from_json_schema(
+        {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}},
+         "required": ["colour"]})
+    answer = compact('{"colour": "green"}', add_special_tokens=False)["input_ids"]
+    matchers = [llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer), lark)
+                for tokenizer in (full, compact)]
+    for token in answer:
+        masks = [np.frombuffer(matcher.compute_bitmask(), np.uint8) for matcher in matchers]
+        assert masks[0].tobytes() == masks[1].tobytes()
+        assert all(matcher.consume_token(token) for matcher in matchers)
+    assert compact.backend_tokenizer._full is None

@@ -19,7 +19,7 @@ word, exactly as the library's BPE does (`Word::merge_all`):
     its left and right neighbours
 
 The merges live in three sorted arrays (pair key -> rank, merged id), the vocabulary in one
-byte blob with offsets; both are written once beside the cached tokenizer (`compact/`).
+byte blob with offsets; both are written once beside the cached tokenizer (`COMPACT`).
 
 Anything else the library's `Tokenizer` offers (truncation, padding, pre-split words, adding
 tokens, its model object) is served by the full tokenizer, read from the saved file the first
@@ -44,7 +44,9 @@ from tokenizers import Encoding, Tokenizer
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-COMPACT = "compact"  # the subfolder of a cached tokenizer folder holding its compact form
+# The subfolder of a cached tokenizer folder holding its compact form; a new version of the
+# tables or of how they are read gets a new name, so no cache holds a stale form.
+COMPACT = "compact-v1"
 TABLES = "tables.npz"
 NOT_COMPACT = "not-compact.txt"  # written where a tokenizer has no compact form: why
 BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # byte fallback's tokens, as the library names them
@@ -418,7 +420,7 @@ def compact_form(full: Tokenizer) -> tuple[dict, Tables] | str:
 
 
 def save_compact(folder: Path) -> str | None:
-    """Write `folder/compact/` for the tokenizer saved in `folder`: its files, with the
+    """Write `folder/COMPACT` for the tokenizer saved in `folder`: its files, with the
     pipeline's tokenizer.json, and the tables; checked against the tokenizer as `folder` loads
     it, on a sample of many scripts. Where it has no compact form, write why not instead, and
     return it."""
