@@ -68,17 +68,16 @@ def test_outputs_are_the_ones_recorded_before_the_five_bit_layout(qtype):
     assert digest.hexdigest()[:16] == RECORDED[qtype.name]
 
 
-@pytest.mark.parametrize("qtype", FIVE_BITS, ids=lambda t: t.name)
-def test_five_bit_types_pack_into_the_files_bytes(qtype):
-    """Q5_0 and Q5_1 take the file's bytes exactly once rows are padded to whole groups of 32
-    (per 32 weights of 16 rows: 256 bytes of nibbles, 64 of fifth bits, the float16 scales);
-    Q5_K 180 bytes a row per 256 against the file's 176: its 6-bit scales and minimums kept a
-    byte each (16 bytes where the file packs them in 12), as Q4_K's are."""
+@pytest.mark.parametrize("qtype", [*FIVE_BITS, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_packed_types_take_the_files_bytes(qtype):
+    """Q5_0, Q5_1 and the K-quants take the file's bytes exactly once rows are padded to whole
+    groups of 32 (per 32 weights of 16 rows: 256 bytes of nibbles, 64 of fifth bits, the float16
+    scales; Q4_K and Q5_K: their 12 bytes of six-bit scales and minimums kept as the file packs
+    them, in the superblock's header: 144 and 176 bytes a row per 256)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    extra = 4 if qtype == Q.Q5_K else 0  # bytes a row per file block
-    for n, k in [(32, 256), (1152, 1152 if qtype != Q.Q5_K else 1280), (50, 6912 // 256 * 256)]:
+    for n, k in [(32, 256), (1152, 1152 if block == 32 else 1280), (50, 6912 // 256 * 256)]:
         padded = -(-n // quant.GROUP) * quant.GROUP
-        assert quant.packed_bytes(qtype, n, k) == padded * (k // block) * (size + extra)
+        assert quant.packed_bytes(qtype, n, k) == padded * (k // block) * size
 
 
 @pytest.mark.parametrize("qtype", list(quant.LAYOUTS), ids=lambda t: t.name)

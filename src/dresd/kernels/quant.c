@@ -45,9 +45,11 @@
  *   c       16 minimums (float16; types with a minimum only).
  * K-quants keep their scales as the file does, as small integers under a float16 scale per 256
  * k (d[n, b] = dsuper[n] * scale[n, b], exact in float32): per group, per superblock of 8
- * blocks, first each panel's header (16 float16 dsuper; Q4_K, Q5_K: then 16 float16 dmin),
- * then the 8 blocks, each panel's quants followed by 32 bytes: Q4_K, Q5_K: 16 six-bit scales
- * and 16 minimums (c = -dmin * minimum); Q6_K: 16 int8 scales for k < 16, 16 for k >= 16.
+ * blocks, first each panel's header (16 float16 dsuper; Q4_K, Q5_K: then 16 float16 dmin and
+ * the file's 12 bytes of six-bit scales and minimums, as 12 planes of 16 lanes: byte i of
+ * every lane's 12, so that a panel keeps the file's 144 bytes a row per 256 k; `k_scales`
+ * unpacks a block's), then the 8 blocks, each panel's quants (Q6_K: followed by 32 bytes, 16
+ * int8 scales for k < 16, 16 for k >= 16).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -81,11 +83,37 @@ static inline int64_t quant_bytes(QLayout l) {
     return l.six ? 384 : l.five ? 320 : l.nibbles ? 256 : 512;
 }
 static inline int64_t scale_bytes(QLayout l) {
-    return l.kquant ? 32 : (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
+    if (l.kquant) return l.has_min ? 0 : 32;  /* Q4_K, Q5_K: in the header */
+    return (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
 }
 static inline int64_t block_bytes(QLayout l) { return quant_bytes(l) + scale_bytes(l); }
-static inline int64_t header_bytes(QLayout l) { return l.kquant ? (l.has_min ? 64 : 32) : 0; }
+#define K_PLANES 12  /* Q4_K, Q5_K: the file's bytes of scales and minimums per 256 k */
+static inline int64_t header_bytes(QLayout l) {
+    return l.kquant ? (l.has_min ? 64 + K_PLANES * 16 : 32) : 0;
+}
 #define SUPER 8  /* blocks per K-quant superblock (256 k) */
+
+/* Q4_K, Q5_K: block j's (of its superblock) 16 lanes of six-bit scales (bytes 0..15) and
+ * minimums (16..31), from the header's planes (as ggml's get_scale_min_k4, 16 lanes at once). */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static inline u8x16 k_plane(const uint8_t *planes, int i) {
+    u8x16 plane;
+    memcpy(&plane, planes + 16 * i, 16);
+    return plane;
+}
+static inline void k_scales(const uint8_t *planes, int j, uint8_t out[32]) {
+    u8x16 scale, minimum;
+    if (j < 4) {
+        scale = k_plane(planes, j) & 63;
+        minimum = k_plane(planes, j + 4) & 63;
+    } else {
+        u8x16 low = k_plane(planes, j + 4);
+        scale = (low & 15) | ((k_plane(planes, j - 4) >> 6) << 4);
+        minimum = (low >> 4) | ((k_plane(planes, j) >> 6) << 4);
+    }
+    memcpy(out, &scale, 16);
+    memcpy(out + 16, &minimum, 16);
+}
 
 /* Where panel p's part of block b starts in a group. */
 static inline const uint8_t *block_at(QLayout l, const uint8_t *group, int b, int p) {
@@ -154,7 +182,7 @@ static inline vi dot_full_bytes(const int TILE, vi acc, vi w, const int32_t *x) 
  * at a byte offset of h VLANES times the size of one lane's element in every 16-lane row. */
 static inline __attribute__((always_inline)) void load_panel(
         const QLayout l, const uint8_t *group, int b, int p, int h, vi w[8], vf *d, vf *c,
-        vf *d2, vf *c2) {
+        vf *d2, vf *c2, const uint8_t *k_unpacked) {
     const uint8_t *block = block_at(l, group, b, p);
     const int lane0 = h * VLANES;
     if (l.nibbles) {
@@ -188,13 +216,15 @@ static inline __attribute__((always_inline)) void load_panel(
     const uint8_t *scales = block + quant_bytes(l);
     if (l.kquant) {  /* float16 headers (2 bytes a lane), byte scales (1) */
         int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
-        const uint8_t *header = group + (b / SUPER) * super + p * header_bytes(l) + 2 * lane0;
+        const uint8_t *head = group + (b / SUPER) * super + p * header_bytes(l);
+        const uint8_t *header = head + 2 * lane0;
         vf dsuper = load_scales(header, 1);
-        *d = vf_mul(dsuper, vf_load_u8(scales + lane0, l.halves));
-        if (l.has_min) {
+        if (l.has_min) {  /* the block's scales and minimums, unpacked (`qtile`) */
+            *d = vf_mul(dsuper, vf_load_u8(k_unpacked + lane0, 0));
             *c = vf_negate(vf_mul(load_scales(header + 32, 1),
-                                  vf_load_u8(scales + 16 + lane0, 0)));
+                                  vf_load_u8(k_unpacked + 16 + lane0, 0)));
         } else {
+            *d = vf_mul(dsuper, vf_load_u8(scales + lane0, l.halves));
             *c = vf_mul(*d, vf_set1((float)-l.offset));
             *d2 = vf_mul(dsuper, vf_load_u8(scales + 16 + lane0, 1));
             *c2 = vf_mul(*d2, vf_set1((float)-l.offset));
@@ -226,7 +256,17 @@ static inline __attribute__((always_inline)) void qtile(
     for (int i = 0; i < TILE; i++)
         #pragma GCC unroll 4
         for (int s = 0; s < slices; s++) acc[i][s] = vf_zero();
+    /* Q4_K, Q5_K: a superblock's scales and minimums, unpacked from its headers' planes as
+     * it starts (once per 8 blocks: in each block's step they cost 6-11% at 4 rows) */
+    uint8_t k_unpacked[SUPER][QPARTS][32];
     for (int b = 0; b < blocks; b++) {
+        if (l.kquant && l.has_min && b % SUPER == 0) {
+            int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+            for (int p = 0; p < QPARTS; p++)
+                for (int j = 0; j < SUPER; j++)
+                    k_scales(group + (b / SUPER) * super + p * header_bytes(l) + 64, j,
+                             k_unpacked[j][p]);
+        }
         if (b + QAHEAD < blocks) {  /* the block's panels lie together (K: and headers) */
             const char *ahead = (const char *)block_at(l, group, b + QAHEAD, 0);
             for (int64_t line = 0; line < QPARTS * stride; line += 64)
@@ -236,7 +276,8 @@ static inline __attribute__((always_inline)) void qtile(
         for (int s = 0; s < slices; s++) {
             vi w[8];
             vf d, c, d2 = vf_zero(), c2 = vf_zero();
-            load_panel(l, group, b, s / QSLICES, s % QSLICES, w, &d, &c, &d2, &c2);
+            load_panel(l, group, b, s / QSLICES, s % QSLICES, w, &d, &c, &d2, &c2,
+                       k_unpacked[b % SUPER][s / QSLICES]);
             #pragma GCC unroll 4
             for (int i = 0; i < TILE; i++) {
                 const int32_t *x4 = (const int32_t *)(xq + (int64_t)i * k + b * QBLOCK);
@@ -416,7 +457,8 @@ typedef struct {
     uint8_t *q;        /* [k] */
     uint16_t *d, *c;   /* [k / 32] float16 bits (not K-quants) */
     uint16_t *dsuper, *dmin;  /* [k / 256] float16 bits (K-quants) */
-    uint8_t *scales;   /* [k / 32][2] (K-quants) */
+    uint8_t *scales;   /* [k / 32][2] (Q6_K) */
+    uint8_t *k_bytes;  /* [k / 256][12] the file's scales and minimums (Q4_K, Q5_K) */
 } DecodedRow;
 
 /* Bytes of one GGUF block of each layout (32 k; K-quants: 256 k), by layout number. */
@@ -454,14 +496,8 @@ static void decode_row(int layout, const uint8_t *raw, int k, DecodedRow r) {
             break;
         }
         case 5: case 6: {  /* Q4_K, Q5_K: eight 6-bit scales and minimums in 12 bytes */
-            const uint8_t *s = x + 4, *qh = x + 16, *qs = x + (layout == 5 ? 16 : 48);
-            uint8_t *sc = r.scales + (int64_t)b * 16;
-            for (int i = 0; i < 4; i++) {
-                sc[2 * i] = s[i] & 63;
-                sc[2 * i + 1] = s[i + 4] & 63;
-                sc[2 * (i + 4)] = (s[i + 8] & 15) | (s[i] >> 6) << 4;
-                sc[2 * (i + 4) + 1] = (s[i + 8] >> 4) | (s[i + 4] >> 6) << 4;
-            }
+            const uint8_t *qh = x + 16, *qs = x + (layout == 5 ? 16 : 48);
+            memcpy(r.k_bytes + (int64_t)b * K_PLANES, x + 4, K_PLANES);  /* kept as they are */
             for (int pair = 0; pair < 4; pair++)  /* sub-blocks 2 pair and 2 pair + 1 */
                 for (int l = 0; l < 32; l++) {
                     q[64 * pair + l] = qs[32 * pair + l] & 15;
@@ -518,8 +554,10 @@ static void place_block(QLayout l, const DecodedRow *r, int b, int lane, uint8_t
     }
     uint8_t *scales = block + quant_bytes(l);
     if (l.kquant) {
-        scales[lane] = r->scales[2 * b];
-        scales[16 + lane] = r->scales[2 * b + 1];
+        if (!l.has_min) {  /* Q6_K (Q4_K and Q5_K's are in the header) */
+            scales[lane] = r->scales[2 * b];
+            scales[16 + lane] = r->scales[2 * b + 1];
+        }
         return;
     }
     memcpy(scales + 2 * lane, &r->d[b], 2);
@@ -547,8 +585,8 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
     {
         DecodedRow r = {malloc(k), malloc(2 * (size_t)blocks), malloc(2 * (size_t)blocks),
                         malloc(2 * (size_t)supers + 2), malloc(2 * (size_t)supers + 2),
-                        malloc(2 * (size_t)blocks)};
-        int ready = r.q && r.d && r.c && r.dsuper && r.dmin && r.scales;
+                        malloc(2 * (size_t)blocks), malloc(K_PLANES * (size_t)supers + 1)};
+        int ready = r.q && r.d && r.c && r.dsuper && r.dmin && r.scales && r.k_bytes;
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) {
             if (!ready) {  /* every thread still takes its share of the loop */
@@ -567,11 +605,16 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
                     for (int s = 0; s < supers && l.kquant; s++) {  /* K-quants' headers */
                         uint8_t *header = group + s * super_stride + part * header_bytes(l);
                         memcpy(header + 2 * lane, &r.dsuper[s], 2);
-                        if (l.has_min) memcpy(header + 32 + 2 * lane, &r.dmin[s], 2);
+                        if (l.has_min) {
+                            memcpy(header + 32 + 2 * lane, &r.dmin[s], 2);
+                            for (int i = 0; i < K_PLANES; i++)  /* plane i, lane `lane` */
+                                header[64 + 16 * i + lane] = r.k_bytes[s * K_PLANES + i];
+                        }
                     }
                 }
         }
         free(r.q); free(r.d); free(r.c); free(r.dsuper); free(r.dmin); free(r.scales);
+        free(r.k_bytes);
     }
     return failed ? -1 : 0;
 }

@@ -58,17 +58,24 @@ class Layout:
         return 384 if self.six else 320 if self.five else 256 if self.nibbles else 512
 
     def block_bytes(self) -> int:
-        """One panel's bytes of one block of 32 k: its quants and scales."""
+        """One panel's bytes of one block of 32 k: its quants and scales (Q4_K and Q5_K keep
+        theirs in the header)."""
         if self.kquant:
-            return self.quant_bytes() + 32
+            return self.quant_bytes() + (0 if self.has_min else 32)
         scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
         return self.quant_bytes() + scales
+
+    def header_bytes(self) -> int:
+        """One panel's header per 256 k (K-quants): dsuper; Q4_K, Q5_K: dmin and the file's
+        12 bytes of scales and minimums, 16 lanes each."""
+        if not self.kquant:
+            return 0
+        return 64 + 12 * LANES if self.has_min else 32
 
     def group_bytes(self, k: int) -> int:
         """One group's bytes over k inputs (quant.c's dresd_quant_group_bytes): its blocks and,
         for K-quants, a header per panel per 256 k."""
-        headers = (k // 256) * (64 if self.has_min else 32) if self.kquant else 0
-        return PARTS * ((k // BLOCK) * self.block_bytes() + headers)
+        return PARTS * ((k // BLOCK) * self.block_bytes() + (k // 256) * self.header_bytes())
 
 
 # The weight types that run natively, and the layout each is packed in.
@@ -259,13 +266,19 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     else:
         quants = q.reshape(panels, LANES, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         quants = quants.reshape(panels, blocks, 512)
-    if layout.kquant:  # per block: quants, then 16 + 16 integer scales
-        scales = pad(scales).reshape(panels, LANES, blocks, 2).transpose(0, 2, 3, 1)
-        per_block = np.concatenate([quants, scales.reshape(panels, blocks, 32)], axis=2)
+    if layout.kquant:
+        supers = blocks // 8
         headers = [_by_panel(pad(v).astype(np.float16), panels) for v in (d, dmin)
                    if v is not None]  # [panel, superblock, 32]
+        if layout.has_min:  # Q4_K, Q5_K: the file's 12 bytes, plane i holding every lane's i
+            file_bytes = raw.reshape(n, supers, -1)[..., 4:16]
+            headers.append(_by_panel(pad(file_bytes), panels).reshape(
+                panels, supers, 12, LANES).reshape(panels, supers, 12 * LANES))
+            per_block = quants
+        else:  # Q6_K: per block, quants, then 16 + 16 integer scales
+            scales = pad(scales).reshape(panels, LANES, blocks, 2).transpose(0, 2, 3, 1)
+            per_block = np.concatenate([quants, scales.reshape(panels, blocks, 32)], axis=2)
         header = np.concatenate(headers, axis=2)
-        supers = blocks // 8
         per_block = per_block.reshape(groups, PARTS, supers, 8, -1).transpose(0, 2, 3, 1, 4)
         header = header.reshape(groups, PARTS, supers, -1).transpose(0, 2, 1, 3)
         packed = np.concatenate([header.reshape(groups, supers, -1),
