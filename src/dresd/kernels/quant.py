@@ -183,8 +183,9 @@ def unpack_k(qtype: Q, raw: np.ndarray, n: int, k: int
     """A K-quant tensor as the file keeps its scales: (q uint8 [n, k], d float16 [n, k / 256],
     dmin float16 [n, k / 256] or None, scales uint8 [n, k / 32, 2]): per block of 32, Q4_K and
     Q5_K's 6-bit scale and minimum (w = d * scale * q - dmin * minimum), Q6_K's two int8 scales,
-    one per 16 k (w = d * scale * (q - 32)); kept as integers, so that packed they cost a byte
-    each, and the kernel's d * scale is exact in float32."""
+    one per 16 k (w = d * scale * (q - 32)); kept as integers, so that the kernel's
+    d * scale is exact in float32 (packed: Q6_K's a byte each, Q4_K and Q5_K's as the file's
+    12 bytes per 256 k, `pack`)."""
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(n, k // block, size)
     if qtype in (Q.Q4_K, Q.Q5_K):
