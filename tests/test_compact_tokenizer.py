@@ -226,3 +226,17 @@ def test_grammars_see_the_same_vocabulary(gguf_files, tmp_path):
         assert masks[0].tobytes() == masks[1].tobytes()
         assert all(matcher.consume_token(token) for matcher in matchers)
     assert compact.backend_tokenizer._full is None
+
+
+def test_a_cache_it_may_not_write_gives_the_full_tokenizer(gguf_files, tmp_path, monkeypatch):
+    path = gguf_files["byte-level"]
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
+
+    def refused(folder):
+        raise PermissionError(f"{folder} is read-only")
+
+    monkeypatch.setattr(compact_tokenizer, "save_compact", refused)
+    tokenizer = cached_tokenizer(tmp_path)
+    assert not isinstance(tokenizer.backend_tokenizer, CompactBPE)
+    assert tokenizer("hello world")["input_ids"] == AutoTokenizer.from_pretrained(tmp_path)(
+        "hello world")["input_ids"]

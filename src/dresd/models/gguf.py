@@ -998,7 +998,10 @@ def cached_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     every load of a file must give the same ids and fingerprint."""
     tokenizer = compact_tokenizer.load_compact(folder)
     if tokenizer is None and not compact_tokenizer.has_no_compact_form(folder):
-        compact_tokenizer.save_compact(folder)
+        try:
+            compact_tokenizer.save_compact(folder)
+        except OSError:  # a cache this process may not write: the full tokenizer, as before
+            pass
         give_back_free_heap()  # the full tokenizer, parsed to write the tables
         tokenizer = compact_tokenizer.load_compact(folder)
     return without_build_copies(tokenizer or AutoTokenizer.from_pretrained(folder))
