@@ -115,11 +115,19 @@ static inline void k_scales(const uint8_t *planes, int j, uint8_t out[32]) {
     memcpy(out + 16, &minimum, 16);
 }
 
+/* K-quants: a group's bytes per superblock (its panels' headers, then its 8 blocks). */
+static inline int64_t super_bytes(QLayout l) {
+    return QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+}
+/* K-quants: where panel p's header of superblock s starts in a group. */
+static inline const uint8_t *header_at(QLayout l, const uint8_t *group, int s, int p) {
+    return group + s * super_bytes(l) + p * header_bytes(l);
+}
+
 /* Where panel p's part of block b starts in a group. */
 static inline const uint8_t *block_at(QLayout l, const uint8_t *group, int b, int p) {
     if (!l.kquant) return group + ((int64_t)b * QPARTS + p) * block_bytes(l);
-    int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
-    return group + (b / SUPER) * super + QPARTS * header_bytes(l)
+    return header_at(l, group, b / SUPER, QPARTS)  /* past the superblock's headers */
            + ((int64_t)(b % SUPER) * QPARTS + p) * block_bytes(l);
 }
 
@@ -215,9 +223,7 @@ static inline __attribute__((always_inline)) void load_panel(
     }
     const uint8_t *scales = block + quant_bytes(l);
     if (l.kquant) {  /* float16 headers (2 bytes a lane), byte scales (1) */
-        int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
-        const uint8_t *head = group + (b / SUPER) * super + p * header_bytes(l);
-        const uint8_t *header = head + 2 * lane0;
+        const uint8_t *header = header_at(l, group, b / SUPER, p) + 2 * lane0;
         vf dsuper = load_scales(header, 1);
         if (l.has_min) {  /* the block's scales and minimums, unpacked (`qtile`) */
             *d = vf_mul(dsuper, vf_load_u8(k_unpacked + lane0, 0));
@@ -260,13 +266,10 @@ static inline __attribute__((always_inline)) void qtile(
      * it starts (once per 8 blocks: in each block's step they cost 6-11% at 4 rows) */
     uint8_t k_unpacked[SUPER][QPARTS][32];
     for (int b = 0; b < blocks; b++) {
-        if (l.kquant && l.has_min && b % SUPER == 0) {
-            int64_t super = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
+        if (l.kquant && l.has_min && b % SUPER == 0)
             for (int p = 0; p < QPARTS; p++)
-                for (int j = 0; j < SUPER; j++)
-                    k_scales(group + (b / SUPER) * super + p * header_bytes(l) + 64, j,
-                             k_unpacked[j][p]);
-        }
+                for (int j = 0; j < SUPER; j++)  /* the planes follow dsuper and dmin */
+                    k_scales(header_at(l, group, b / SUPER, p) + 64, j, k_unpacked[j][p]);
         if (b + QAHEAD < blocks) {  /* the block's panels lie together (K: and headers) */
             const char *ahead = (const char *)block_at(l, group, b + QAHEAD, 0);
             for (int64_t line = 0; line < QPARTS * stride; line += 64)
@@ -578,7 +581,6 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
     const int groups = (n + QPARTS * QLANES - 1) / (QPARTS * QLANES), blocks = k / QBLOCK;
     const int supers = blocks / SUPER;
     const int64_t group_stride = dresd_quant_group_bytes(layout, k);
-    const int64_t super_stride = QPARTS * (header_bytes(l) + SUPER * block_bytes(l));
     memset(packed, 0, (size_t)groups * group_stride);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
@@ -603,7 +605,7 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
                     for (int b = 0; b < blocks; b++)
                         place_block(l, &r, b, lane, (uint8_t *)block_at(l, group, b, part));
                     for (int s = 0; s < supers && l.kquant; s++) {  /* K-quants' headers */
-                        uint8_t *header = group + s * super_stride + part * header_bytes(l);
+                        uint8_t *header = (uint8_t *)header_at(l, group, s, part);
                         memcpy(header + 2 * lane, &r.dsuper[s], 2);
                         if (l.has_min) {
                             memcpy(header + 32 + 2 * lane, &r.dmin[s], 2);
