@@ -192,7 +192,11 @@ class MergedEncoding:
     @property
     def offsets(self) -> list[tuple[int, int]]:
         """Each merged token spans the characters of the symbols it was made of."""
-        source, text_of = self._source.offsets, self._owner.text_of
+        source, owner = self._source.offsets, self._owner
+
+        def text_of(token_id: int) -> str:
+            return owner.id_to_token(token_id) or ""
+
         spans = []
         for start, symbols, merged in self._pieces:
             at = start
@@ -214,10 +218,8 @@ class CompactBPE:
         self._pipeline, self._tables, self._full_file = pipeline, tables, full_file
         self._full: Tokenizer | None = None
         self._words: dict[tuple[int, ...], list[int]] = {}
-        self._refresh_added()
-
-    def _refresh_added(self) -> None:
-        added = self._pipeline.get_added_tokens_decoder()
+        # (fixed: adding tokens moves every call to the full tokenizer)
+        added = pipeline.get_added_tokens_decoder()
         self._added = {token_id: token.content for token_id, token in added.items()}
         self._added_ids = {content: token_id for token_id, content in self._added.items()}
         self._special = {token.content for token in added.values() if token.special}
@@ -318,9 +320,6 @@ class CompactBPE:
             merged.add(start, symbols, tokens)
             start = end
         return merged
-
-    def text_of(self, token_id: int) -> str:
-        return self._added.get(token_id) or self._tables.token(token_id) or ""
 
     # -- ids and tokens ------------------------------------------------------------------
     def id_to_token(self, token_id: int) -> str | None:
