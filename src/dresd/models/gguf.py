@@ -144,7 +144,7 @@ class _Tensors:
 
     def __init__(self, reader: GGUFFile, path: Path) -> None:
         self.path = path
-        self.mapping = getattr(reader.data, "_mmap", None)  # the file, memory-mapped
+        self.mapping = reader.mapping  # the file, memory-mapped
         self.by_name = {tensor.name: tensor for tensor in reader.tensors}
         for tensor in reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:

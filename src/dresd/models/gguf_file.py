@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import mmap
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,9 +49,8 @@ def forget_vocabulary(reader: GGUFFile) -> None:
                 if key.startswith("tokenizer.ggml.")
                 and isinstance(field.value, list | LongArray)]:
         del reader.fields[key]
-    mapping = getattr(reader.data, "_mmap", None)
-    if mapping is not None and reader.data_offset > 0:
-        quant.drop_file_pages(mapping, 0, min(reader.data_offset, len(mapping)))
+    if reader.mapping is not None and reader.data_offset > 0:
+        quant.drop_file_pages(reader.mapping, 0, min(reader.data_offset, len(reader.mapping)))
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -173,6 +173,11 @@ class GGUFFile:
     tensors: list[GGUFTensor]
     data: np.memmap
     data_offset: int  # where the data section starts
+
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The file's memory map under `data` (None for an empty file's array)."""
+        return getattr(self.data, "_mmap", None)
 
 
 class _Cursor:
