@@ -184,7 +184,7 @@ def test_tables_round_trip_on_disk(gguf_files, tmp_path):
     path = gguf_files["byte-level"]
     AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp_path)
     compact_tokenizer.save_compact(tmp_path)
-    tables = Tables.load(tmp_path / compact_tokenizer.COMPACT / compact_tokenizer.TABLES)
+    tables = Tables.load(tmp_path / compact_tokenizer.COMPACT)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     for token, token_id in list(vocab.items())[::97]:

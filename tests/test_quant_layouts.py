@@ -101,12 +101,12 @@ def mapped_kb(path) -> int:
 
 
 @pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="no madvise")
-def test_packing_in_slices_lets_a_read_only_files_pages_go(tmp_path, monkeypatch):
-    """A big tensor is packed a slice at a time, each slice's file pages dropped once packed
-    (Gemma-3's 320 MB tied head no longer resident beside its packed copy): the same bytes as
-    numpy's `pack`, the mapping's pages gone after, its values still the file's."""
-    qtype, n, k = Q.Q5_0, 1000, 1024  # 704 bytes a row
-    monkeypatch.setattr(quant, "SLICE_BYTES", 64 << 10)  # 64 rows (two groups) a slice
+def test_packing_lets_a_read_only_files_pages_go(tmp_path):
+    """Each packing thread drops the file pages of the rows it has packed as it goes (Gemma-3's
+    320 MB tied head no longer resident beside its packed copy): the same bytes as numpy's
+    `pack`, the mapping's pages gone after (3 MB: dropped 1 MB at a time, threads' boundaries
+    inside pages), its values still the file's."""
+    qtype, n, k = Q.Q5_0, 4500, 1024  # 704 bytes a row
     raw = formula_blocks(qtype, n, k)
     path = tmp_path / "tensor.bin"
     path.write_bytes(raw.tobytes())
@@ -119,11 +119,10 @@ def test_packing_in_slices_lets_a_read_only_files_pages_go(tmp_path, monkeypatch
     assert np.array_equal(mapped, raw)  # read again from the file
 
 
-def test_packing_in_slices_leaves_memory_that_is_not_the_files_alone(tmp_path, monkeypatch):
+def test_packing_leaves_memory_that_is_not_the_files_alone(tmp_path):
     """An array of its own, and a copy-on-write mapping written to, keep their pages (dropped,
     they would read as zeros or as the file, not as what they hold)."""
-    qtype, n, k = Q.Q5_0, 300, 1024
-    monkeypatch.setattr(quant, "SLICE_BYTES", 64 << 10)
+    qtype, n, k = Q.Q5_0, 3000, 1024
     raw = formula_blocks(qtype, n, k)
     own = raw.copy()
     assert torch.equal(quant.pack_blocks(qtype, own, n, k), quant.pack(qtype, raw, n, k))

@@ -225,7 +225,7 @@ static int run(char *line) {
                        * dresd_quant_group_bytes(layout, k);
         uint8_t *packed = malloc(bytes);
         if (!raw || !packed) return -2;
-        int status = dresd_quant_pack(layout, raw, raw_bytes / n, n, k, packed, threads);
+        int status = dresd_quant_pack(layout, raw, raw_bytes / n, n, k, packed, threads, 0);
         if (status == 0) status = write_file(out, packed, bytes);
         free(raw); free(packed);
         return status;

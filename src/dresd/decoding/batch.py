@@ -52,6 +52,7 @@ from dresd.decoding.budget import (
 from dresd.decoding.constraint import Constraint, constrain_drafts, forced_nodes
 from dresd.decoding.drafter import DraftContext, Drafter
 from dresd.decoding.forward import (
+    HFForward,
     LlamaForward,
     Segment,
     SegmentOutput,
@@ -159,7 +160,9 @@ class BatchEngine:
             raise ValueError("max_batch_size must be >= 1")
         self.forward = make_forward(model)
         self.device = next(model.parameters()).device
-        self.tree_attention = supports_tree_attention(model)
+        # dresd's own forwards build each segment's tree mask; transformers' is checked
+        self.tree_attention = (not isinstance(self.forward, HFForward)
+                               or supports_tree_attention(model))
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.prefill_chunks_per_step = prefill_chunks_per_step

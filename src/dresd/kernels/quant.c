@@ -54,6 +54,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#define HAVE_MADVISE 1
+#endif
 
 #include "vec.h"
 
@@ -567,12 +572,32 @@ static void place_block(QLayout l, const DecodedRow *r, int b, int lane, uint8_t
     if (l.has_min) memcpy(scales + 32 + 2 * lane, &r->c[b], 2);
 }
 
+/* Let the kernel drop this process's pages of a read-only file mapping over [from, to): the
+ * whole pages from the one holding `from` (to the one holding `to`, that one too where `whole`).
+ * They are the file's, read again from it if anyone looks (a page shared with bytes another
+ * thread still reads is read again by it: the same bytes). */
+static void drop_file_pages(const uint8_t *from, const uint8_t *to, int whole) {
+#ifdef HAVE_MADVISE
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)from / page * page;
+    uintptr_t end = whole ? ((uintptr_t)to + page - 1) / page * page : (uintptr_t)to / page * page;
+    if (end > start) madvise((void *)start, end - start, MADV_DONTNEED);
+#else
+    (void)from; (void)to; (void)whole;
+#endif
+}
+
+#define DROP_BYTES (1 << 20)  /* a thread drops what it has read each time it has read this */
+
 /* raw: n rows of a `layout` tensor's GGUF blocks over k inputs, row stride raw_stride bytes;
  * packed: ceil(n / 32) groups of dresd_quant_group_bytes (zeroed by this: rows past n stay
- * zero). Groups are independent, spread over `threads`. Returns 0, -1 without memory, -2 for
- * sizes it does not take (it writes nothing then). */
+ * zero). Groups are independent, spread over `threads`. drop_read: raw lies in a read-only
+ * file mapping, and each thread drops the pages of the rows it has packed as it goes (every
+ * DROP_BYTES), so a big tensor's mapped bytes are never resident beside its packed copy (~1 MB
+ * a thread instead). Returns 0, -1 without memory, -2 for sizes it does not take (it writes
+ * nothing then). */
 int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, int k,
-                     uint8_t *packed, int threads) {
+                     uint8_t *packed, int threads, int drop_read) {
     if (layout < 0 || layout >= (int)(sizeof(LAYOUTS) / sizeof(LAYOUTS[0])) || n < 1
         || k < QBLOCK || k % gguf_block_k(layout)
         || raw_stride < (int64_t)k / gguf_block_k(layout) * GGUF_BLOCK_BYTES[layout])
@@ -581,6 +606,7 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
     const int groups = (n + QPARTS * QLANES - 1) / (QPARTS * QLANES), blocks = k / QBLOCK;
     const int supers = blocks / SUPER;
     const int64_t group_stride = dresd_quant_group_bytes(layout, k);
+    const int64_t row_bytes = (int64_t)k / gguf_block_k(layout) * GGUF_BLOCK_BYTES[layout];
     memset(packed, 0, (size_t)groups * group_stride);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
@@ -589,6 +615,7 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
                         malloc(2 * (size_t)supers + 2), malloc(2 * (size_t)supers + 2),
                         malloc(2 * (size_t)blocks), malloc(K_PLANES * (size_t)supers + 1)};
         int ready = r.q && r.d && r.c && r.dsuper && r.dmin && r.scales && r.k_bytes;
+        const uint8_t *read_from = NULL, *read_to = NULL;  /* this thread's rows not dropped */
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) {
             if (!ready) {  /* every thread still takes its share of the loop */
@@ -614,7 +641,17 @@ int dresd_quant_pack(int layout, const uint8_t *raw, int64_t raw_stride, int n, 
                         }
                     }
                 }
+            if (drop_read) {  /* this group's rows, read: dropped every DROP_BYTES */
+                int64_t last = (int64_t)(g + 1) * QPARTS * QLANES;
+                if (!read_from) read_from = raw + (int64_t)g * QPARTS * QLANES * raw_stride;
+                read_to = raw + ((last < n ? last : n) - 1) * raw_stride + row_bytes;
+                if (read_to - read_from >= DROP_BYTES) {
+                    drop_file_pages(read_from, read_to, 0);
+                    read_from = read_to;
+                }
+            }
         }
+        if (read_from) drop_file_pages(read_from, read_to, 1);
         free(r.q); free(r.d); free(r.c); free(r.dsuper); free(r.dmin); free(r.scales);
         free(r.k_bytes);
     }

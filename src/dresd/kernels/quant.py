@@ -107,7 +107,7 @@ def kernel() -> ctypes.CDLL | None:
     library.dresd_quant_linear.argtypes = [i32, pointer, i64, i32, i32, pointer, i32, pointer,
                                            pointer, i64, i32, i32]
     library.dresd_quant_linear.restype = i32
-    library.dresd_quant_pack.argtypes = [i32, pointer, i64, i32, i32, pointer, i32]
+    library.dresd_quant_pack.argtypes = [i32, pointer, i64, i32, i32, pointer, i32, i32]
     library.dresd_quant_pack.restype = i32
     library.dresd_quant_group_bytes.argtypes = [i32, i32]
     library.dresd_quant_group_bytes.restype = i64
@@ -295,47 +295,30 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
 
 
-# A mapped file's bytes packed per call of the C packer (see pack_blocks): each call is an
-# OpenMP region, whose start waits for every thread to get a core (~7 ms a call at 2 threads
-# where another process held the second core: 16 MB slices took a 320 MB tensor's packing
-# from 0.26 to 0.41 s, 64 MB ones to 0.29 s); 32 MB keeps both that and the pages resident at
-# once small.
-SLICE_BYTES = 32 << 20
-
-
 def pack_blocks(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     """`pack` in C (quant.c's `dresd_quant_pack`): the same bytes, read straight from the
     file's mapped rows (`raw`: uint8 [n, bytes per row], each row contiguous), groups of rows
     spread over every core this process may use (a model loads before anything else runs, as
     llama.cpp's does; numpy's `pack` took ~5 s a GB).
 
-    Where `raw` lies in a read-only file mapping, rows are packed SLICE_BYTES of the file at a
-    time and each slice's pages dropped from this process as soon as they are packed (they are
-    the file's, read again from it if anyone looks): else a big tensor's whole mapped bytes
-    stay resident beside its packed copy until the caller lets them go, Gemma-3's 262k-row
-    tied head ~320 MB at the load's peak. Other rows are packed in one call."""
+    Where `raw` lies in a read-only file mapping, each thread drops the pages of the rows it has
+    packed as it goes (they are the file's, read again from it if anyone looks): else a big
+    tensor's mapped bytes stay resident beside its packed copy, Gemma-3's 262k-row tied head
+    ~320 MB at the load's peak (32 MB slices, each dropped after its call, still left 18 MB at
+    the peak of a Gemma-3-1B file's load)."""
     block, size = GGML_QUANT_SIZES[qtype]
     if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape != (n, k // block * size):
         raise DresdError(f"a {qtype.name} tensor of {n} x {k} cannot hold {raw.shape} bytes")
     if raw.strides[1] != 1:
         raw = np.ascontiguousarray(raw)
     packed = torch.empty(packed_bytes(qtype, n, k), dtype=torch.uint8)
-    row_stride = raw.strides[0]
-    mapping = _read_only_mapping(raw) if row_stride > 0 else None
-    rows = n if mapping is None else max(GROUP, SLICE_BYTES // row_stride // GROUP * GROUP)
-    group_bytes = LAYOUTS[qtype].group_bytes(k)
-    for first in range(0, n, rows):
-        count = min(rows, n - first)
-        source = raw.ctypes.data + first * row_stride
-        status = kernel().dresd_quant_pack(LAYOUTS[qtype].number, source, row_stride, count, k,
-                                           packed.data_ptr() + first // GROUP * group_bytes,
-                                           kernels.usable_cores())
-        if status:
-            raise DresdError(f"quant.c could not pack a {qtype.name} tensor of {n} x {k} "
-                             f"(status {status})")
-        if mapping is not None:  # the slice's bytes, as offsets into the mapping
-            offset = source - np.frombuffer(mapping, np.uint8, count=1).ctypes.data
-            drop_file_pages(mapping, offset, offset + (count - 1) * row_stride + raw.shape[1])
+    mapped = raw.strides[0] > 0 and _read_only_mapping(raw) is not None
+    status = kernel().dresd_quant_pack(LAYOUTS[qtype].number, raw.ctypes.data, raw.strides[0],
+                                       n, k, packed.data_ptr(), kernels.usable_cores(),
+                                       int(mapped))
+    if status:
+        raise DresdError(f"quant.c could not pack a {qtype.name} tensor of {n} x {k} "
+                         f"(status {status})")
     return packed
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import copy
 import heapq
 import json
+import mmap
 import re
 import shutil
 import tempfile
-from array import array
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +46,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 # The subfolder of a cached tokenizer folder holding its compact form; a new version of the
 # tables or of how they are read gets a new name, so no cache holds a stale form.
-COMPACT = "compact-v1"
-TABLES = "tables.npz"
+COMPACT = "compact-v2"
+TABLES, TABLES_LAYOUT = "tables.bin", "tables.json"
 NOT_COMPACT = "not-compact.txt"  # written where a tokenizer has no compact form: why
 BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # byte fallback's tokens, as the library names them
 WORD_CACHE_SIZE = 20_000  # words kept merged (the library keeps 10,000); cleared when full
@@ -57,40 +57,58 @@ SAMPLE_TEXT = ("Hello world! It's 2026: dresd's naïve café costs €3.50 — o
 
 @dataclass
 class Tables:
-    """The model's vocabulary and merges as arrays (what `tables.npz` holds)."""
-    token_bytes: bytes  # every token's UTF-8, in id order
-    token_starts: array  # int64: token i is token_bytes[token_starts[i]:token_starts[i + 1]]
-    by_bytes: array  # int32: the ids sorted by their bytes (token_to_id's binary search)
-    merge_keys: array  # int64: left id << 32 | right id, sorted
-    merge_ranks: array  # int32: the merge's index in the merges list (lower merges first)
-    merge_results: array  # int32: the merged token's id
+    """The model's vocabulary and merges as flat arrays: `tables.bin`, mapped read-only, so
+    only the pages a run touches (the tokens it decodes, the merges of the words it encodes)
+    are ever in memory; `tables.json` says where each array lies."""
+    token_bytes: memoryview  # bytes: every token's UTF-8, in id order
+    token_starts: memoryview  # int64: token i is token_bytes[token_starts[i]:token_starts[i + 1]]
+    by_bytes: memoryview  # int32: the ids sorted by their bytes (token_to_id's binary search)
+    merge_keys: memoryview  # int64: left id << 32 | right id, sorted
+    merge_ranks: memoryview  # int32: the merge's index in the merges list (lower merges first)
+    merge_results: memoryview  # int32: the merged token's id
     vocab_size: int  # the model's vocabulary, without added tokens
     vocab_size_with_added: int
 
-    @classmethod
-    def load(cls, path: Path) -> Tables:
-        with np.load(path) as data:
-            def typed(name: str, code: str) -> array:
-                return array(code, data[name].tobytes())
-            return cls(bytes(data["token_bytes"].tobytes()), typed("token_starts", "q"),
-                       typed("by_bytes", "i"), typed("merge_keys", "q"),
-                       typed("merge_ranks", "i"), typed("merge_results", "i"),
-                       int(data["sizes"][0]), int(data["sizes"][1]))
+    ARRAYS = {"token_bytes": "B", "token_starts": "q", "by_bytes": "i", "merge_keys": "q",
+              "merge_ranks": "i", "merge_results": "i"}  # each array's struct code
 
-    def save(self, path: Path) -> None:
-        np.savez(path, token_bytes=np.frombuffer(self.token_bytes, np.uint8),
-                 token_starts=np.array(self.token_starts, np.int64),
-                 by_bytes=np.array(self.by_bytes, np.int32),
-                 merge_keys=np.array(self.merge_keys, np.int64),
-                 merge_ranks=np.array(self.merge_ranks, np.int32),
-                 merge_results=np.array(self.merge_results, np.int32),
-                 sizes=np.array([self.vocab_size, self.vocab_size_with_added], np.int64))
+    @classmethod
+    def load(cls, folder: Path) -> Tables:
+        layout = json.loads((folder / TABLES_LAYOUT).read_text())
+        with open(folder / TABLES, "rb") as file:
+            mapped = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+        arrays = {}
+        for name, code in cls.ARRAYS.items():
+            start, size = layout[name]
+            if start + size > len(mapped):
+                raise ValueError(f"{folder / TABLES} is shorter than {TABLES_LAYOUT} says")
+            arrays[name] = mapped[start:start + size].cast(code)
+        return cls(**arrays, vocab_size=layout["vocab_size"],
+                   vocab_size_with_added=layout["vocab_size_with_added"])
+
+    @classmethod
+    def from_arrays(cls, vocab_size: int, vocab_size_with_added: int,
+                    **arrays: np.ndarray) -> Tables:
+        """Tables held in memory (to be saved): each array as its struct code says."""
+        typed = {name: memoryview(np.ascontiguousarray(arrays[name], np.dtype(code)).tobytes()
+                                  ).cast(code) for name, code in cls.ARRAYS.items()}
+        return cls(**typed, vocab_size=vocab_size, vocab_size_with_added=vocab_size_with_added)
+
+    def save(self, folder: Path) -> None:
+        layout: dict[str, object] = {"vocab_size": self.vocab_size,
+                                     "vocab_size_with_added": self.vocab_size_with_added}
+        with open(folder / TABLES, "wb") as file:
+            for name in self.ARRAYS:
+                file.write(bytes(-file.tell() % 8))  # each array 8-byte aligned
+                layout[name] = [file.tell(), getattr(self, name).nbytes]
+                file.write(getattr(self, name))
+        (folder / TABLES_LAYOUT).write_text(json.dumps(layout) + "\n")
 
     def token(self, token_id: int) -> str | None:
         if not 0 <= token_id < len(self.token_starts) - 1:
             return None
         start, end = self.token_starts[token_id], self.token_starts[token_id + 1]
-        return self.token_bytes[start:end].decode("utf-8") if end > start else None
+        return str(self.token_bytes[start:end], "utf-8") if end > start else None
 
     def token_id(self, token: str) -> int | None:
         wanted = token.encode("utf-8")
@@ -100,7 +118,7 @@ class Tables:
         return None
 
     def _bytes_of(self, token_id: int) -> bytes:
-        return self.token_bytes[self.token_starts[token_id]:self.token_starts[token_id + 1]]
+        return bytes(self.token_bytes[self.token_starts[token_id]:self.token_starts[token_id + 1]])
 
     def merge(self, left: int, right: int) -> tuple[int, int] | None:
         """(rank, merged id) of the merge of this pair, or None."""
@@ -400,15 +418,11 @@ def compact_form(full: Tokenizer) -> tuple[dict, Tables] | str:
         results.append(vocab[left + right])
     keys_array = np.array(keys, np.int64)
     order = np.argsort(keys_array)  # (the library writes each pair once, at its rank)
-    tables = Tables(
-        token_bytes=b"".join(by_id), token_starts=array("q", starts.tobytes()),
-        by_bytes=array("i", np.array(sorted(range(count), key=by_id.__getitem__),
-                                     np.int32).tobytes()),
-        merge_keys=array("q", keys_array[order].tobytes()),
-        merge_ranks=array("i", order.astype(np.int32).tobytes()),
-        merge_results=array("i", np.array(results, np.int32)[order].tobytes()),
-        vocab_size=full.get_vocab_size(with_added_tokens=False),
-        vocab_size_with_added=full.get_vocab_size(with_added_tokens=True))
+    tables = Tables.from_arrays(
+        full.get_vocab_size(with_added_tokens=False), full.get_vocab_size(with_added_tokens=True),
+        token_bytes=np.frombuffer(b"".join(by_id), np.uint8), token_starts=starts,
+        by_bytes=np.array(sorted(range(count), key=by_id.__getitem__)),
+        merge_keys=keys_array[order], merge_ranks=order, merge_results=np.array(results)[order])
     keep = {token: token_id for token, token_id in vocab.items()
             if len(token) == 1 or BYTE_PIECE.fullmatch(token) or token == model.get("unk_token")}
     # Every added token with its id, those outside the vocabulary too: loading gives an added
@@ -436,7 +450,7 @@ def save_compact(folder: Path) -> str | None:
                 if path.is_file() and path.name not in ("tokenizer.json", "config.json"):
                     shutil.copy(path, staging / path.name)
             (staging / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-            tables.save(staging / TABLES)
+            tables.save(staging)
             compact = _load(staging, folder / "tokenizer.json")
             reason = _differs(tokenizer, compact)
             if reason is not None:
@@ -470,7 +484,7 @@ def _differs(full: PreTrainedTokenizerBase, compact: PreTrainedTokenizerBase) ->
 
 def _load(compact_folder: Path, full_file: Path) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(compact_folder)
-    tables = Tables.load(compact_folder / TABLES)
+    tables = Tables.load(compact_folder)
     tokenizer._tokenizer = CompactBPE(tokenizer._tokenizer, tables, full_file)
     return tokenizer
 
