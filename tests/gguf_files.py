@@ -11,6 +11,7 @@ holds (weights through the `gguf` package's quantizers and back): the test's ref
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,6 +339,12 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
 
 
 PHI3_WINDOW = 20  # keys a row sees (itself included): a test's 72 positions run far past it
+# Phi-4-mini's rope, tiny: LongRoPE with its original context cut to 32 tokens (the long
+# factors from position 32 on), turning 48 of each head's 64 dimensions (its 0.75)
+PHI3_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + 0.02 * i for i in range(24)],
+                 "long_factor": [1.0 + 0.5 * i for i in range(24)]}
 
 # Qwen3-MoE's experts, tiny: 8 experts of hidden size 64, 2 used per token, renormalised
 MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -368,8 +375,11 @@ def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int 
         model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPE, rope_parameters=rope))
     elif arch.startswith("phi3"):
         window = PHI3_WINDOW if arch == "phi3-window" else None
+        original = rope.get("original_max_position_embeddings")  # (Phi3Config's own key)
         model = Phi3ForCausalLM(Phi3Config(**HF_SHAPE, rope_parameters=rope,
-                                           sliding_window=window))
+                                           sliding_window=window, **(
+                                               {"original_max_position_embeddings": original}
+                                               if original else {})))
     elif arch == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPE, **MOE_SHAPE,
                                                    rope_parameters=rope))
@@ -496,7 +506,8 @@ def add_converted_metadata(writer: gguf.GGUFWriter, config, extra_blocks: int = 
 
 def add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     """The keys llama.cpp's converter writes for a Phi-3 model (`Phi3MiniModel.
-    set_gguf_parameters`), in its order: a window of 0 where the config has none (Phi-4)."""
+    set_gguf_parameters`), in its order: a window of 0 where the config has none (Phi-4); and
+    LongRoPE's (`generate_extra_tensors`): the attention factor, the factors as two tensors."""
     writer.add_name("tiny converted model")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_rope_scaling_orig_ctx_len(config.rope_parameters.get(
@@ -512,6 +523,14 @@ def add_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     writer.add_sliding_window(config.sliding_window or 0)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":
+        scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+            rope["original_max_position_embeddings"])) if scale > 1.0 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight",
+                          np.array(rope["short_factor"], np.float32))
 
 
 # transformers' names of the tensors outside the layers -> llama.cpp's

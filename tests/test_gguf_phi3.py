@@ -153,20 +153,22 @@ def test_phi3_every_method_is_plain_decoding_and_batched_is_alone(targets, quant
 
 
 def test_phi3_files_dresd_does_not_run_are_one_clear_error(models, tmp_path, capsys):
-    """A partial rotary factor (Phi-4-mini) and LongRoPE (the 128k models) are refused, and
-    `dresd inspect` says so."""
+    """A rope turning an odd number of a head's dimensions, and LongRoPE with one of its two
+    factor tensors, are refused, and `dresd inspect` says so (LongRoPE and partial rotary
+    factors dresd runs: test_gguf_phi3_longrope.py)."""
     partial = transformers_model("phi3", seed=2)
-    partial.config.rope_parameters["partial_rotary_factor"] = 0.5
+    partial.config.rope_parameters["partial_rotary_factor"] = 33 / 64
     partial_file = convert_like_llama_cpp(partial, tmp_path / "partial.gguf")
-    with pytest.raises(DresdError, match="rope turns 32 of each head's 64"):
+    with pytest.raises(DresdError, match="turning 33 of each head's 64"):
         load_target(str(partial_file))
     assert main(["inspect", str(partial_file), "--json"]) == 0  # says so before a load
     figures = json.loads(capsys.readouterr().out)
-    assert figures["dresd_runs_it_natively"].startswith("no (the rope turns 32")
+    assert figures["dresd_runs_it_natively"].startswith("no (")
+    assert "turning 33" in figures["dresd_runs_it_natively"]
     assert figures["forward"] is None
     path = convert_like_llama_cpp(models["phi3"], tmp_path / "longrope.gguf",
                                   extra_tensors={"rope_factors_long.weight": np.ones(32)})
-    with pytest.raises(DresdError, match="LongRoPE"):
+    with pytest.raises(DresdError, match="LongRoPE needs both"):
         load_target(str(path))
 
 
@@ -209,9 +211,9 @@ def test_a_phi3_folder_runs_as_its_file_does(models, arch, tmp_path):
 
 
 def test_a_phi3_folder_mistral_cannot_compute_stays_phi3(tmp_path):
-    """A rope on part of each head (Phi-4-mini) is no Mistral layer: transformers' own
-    Phi3 forward runs it."""
+    """A rope dresd's layers cannot turn (an odd number of each head's dimensions) stays on
+    transformers' own Phi3 forward (Phi-4-mini's 0.75 runs: test_gguf_phi3_longrope.py)."""
     model = transformers_model("phi3", seed=2)
-    model.config.rope_parameters["partial_rotary_factor"] = 0.5
+    model.config.rope_parameters["partial_rotary_factor"] = 33 / 64
     target = load_target(str(save_transformers_folder(model, tmp_path / "partial")))
     assert type(target.model).__name__ == "Phi3ForCausalLM"

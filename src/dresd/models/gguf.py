@@ -34,7 +34,8 @@ are stored plus one (`gemma3_config` and `_fill_layers` say what else differs).
 A `phi3` file (Phi-3, Phi-4) keeps q, k and v in one tensor and gate and up in another; split
 by rows, its layers are Mistral's, and it is built as transformers' `MistralForCausalLM`
 (`phi3_config`), run on the C decoder with the file's window on every layer (Phi-3-mini-4k:
-2047; Phi-4: none).
+2047; Phi-4: none), LongRoPE and a partial rotary factor (Phi-3.5-mini, Phi-4-mini) by
+`phi3.RotaryByPosition`, the q and k heads' rows reordered for the latter (`phi3.head_rows`).
 
 A `qwen3moe` file runs as a `qwen3` one, each layer's MLP its experts: `_Tensors.experts` reads
 the router and the 3-D expert tensors into a `kernels/experts.MoEMLP`, run in C.
@@ -71,13 +72,14 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dresd.decoding.recurrent import TILED_VALUE_HEADS
+from dresd.errors import DresdError
 from dresd.host import cache_dir, give_back_free_heap
 from dresd.kernels import quant
 from dresd.kernels.experts import MoEMLP
 from dresd.kernels.experts import kernel as experts_kernel
 from dresd.kernels.linear import InvariantLinear, dense_weight
 from dresd.kernels.linear import kernel as linear_kernel
-from dresd.models import compact_tokenizer, spec
+from dresd.models import compact_tokenizer, phi3, spec
 from dresd.models.gguf_file import (
     FLOAT_TYPES,
     SUPPORTED_TYPES,
@@ -366,11 +368,11 @@ def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
     layers once their fused projections are split (`spec.PHI3`), read as llama.cpp's converter
     writes it (`conversion/phi.py`):
 
-    - head size: hidden / heads, and the rope turns all of it (`rope.dimension_count`; a
-      partial rotary factor, Phi-4-mini's, is refused), base `rope.freq_base`.
-    - LongRoPE (`rope_factors_long` / `_short` tensors: the 128k-context models) is refused:
-      its frequencies depend on the longest position in a call, which no row-invariant
-      forward computes.
+    - head size: hidden / heads; the rope turns `rope.dimension_count` of it (Phi-4-mini's 96
+      of 128; `phi3.turned_pairs_apart` says how the others are kept), base `rope.freq_base`.
+    - LongRoPE (the 128k-context models: `rope_factors_long` / `_short` tensors, the original
+      context `rope.scaling.original_context_length`, `rope.scaling.attn_factor`): each
+      row's set by its own position (`phi3.RotaryByPosition`).
     - the window: `attention.sliding_window` on every layer (0: none, Phi-4's), as
       transformers' Phi3 applies it. llama.cpp ignores it ("Phi SWA is currently disabled"):
       past the window its outputs are not the model's, and dresd's are.
@@ -383,19 +385,31 @@ def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
         raise GGUFError(f"{path}: {heads} attention heads do not divide the hidden size "
                         f"{hidden}.")
     head_dim = hidden // heads
-    rotated = metadata_size(reader, path, key("rope.dimension_count"), head_dim)
-    if rotated != head_dim:
-        raise GGUFError(f"{path}: the rope turns {rotated} of each head's {head_dim} "
-                        "dimensions (a partial rotary factor, as Phi-4-mini's); dresd runs "
-                        "Phi-3 files whose rope turns the whole head.")
-    names = {tensor.name for tensor in reader.tensors}
-    if any(name in names for name in PHI3_ROPE_FACTORS):
-        raise GGUFError(f"{path}: LongRoPE scaling (rope_factors_long/short: a 128k-context "
-                        "Phi-3 model) is not one dresd runs.")
+    rope = {"turned": metadata_size(reader, path, key("rope.dimension_count"), head_dim)}
+    factors = {tensor.name: tensor for tensor in reader.tensors
+               if tensor.name in PHI3_ROPE_FACTORS}
+    if factors:
+        if len(factors) != len(PHI3_ROPE_FACTORS):
+            raise GGUFError(f"{path}: LongRoPE needs both {' and '.join(PHI3_ROPE_FACTORS)}.")
+        if any(tensor.tensor_type != Q.F32 for tensor in factors.values()):
+            raise GGUFError(f"{path}: LongRoPE's factors are not F32 tensors.")
+        long, short = (np.asarray(factors[name].data).view(np.float32).reshape(-1).tolist()
+                       for name in PHI3_ROPE_FACTORS)
+        rope.update(
+            long_factor=long, short_factor=short,
+            original_max_position_embeddings=metadata_size(
+                reader, path, key("rope.scaling.original_context_length")),
+            attention_factor=float(metadata_number(reader, path,
+                                                   key("rope.scaling.attn_factor"), 1.0)))
+    try:
+        phi3.check_rope(head_dim, rope)
+    except DresdError as error:
+        raise GGUFError(f"{path}: {error}.") from None
     window = int(metadata_number(reader, path, key("attention.sliding_window"), 0))
     if window < 0:
         raise GGUFError(f"{path}: metadata 'phi3.attention.sliding_window' is {window}.")
-    return MistralConfig(
+    names = {tensor.name for tensor in reader.tensors}
+    config = MistralConfig(
         vocab_size=token_rows(reader, path),
         hidden_size=hidden,
         intermediate_size=metadata_size(reader, path, key("feed_forward_length")),
@@ -414,6 +428,8 @@ def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=end_of_generation(reader, "<|end|>", "<|im_end|>"),
         pad_token_id=metadata(reader, "tokenizer.ggml.padding_token_id"))
+    config.phi3_rope = rope  # read by `_fill_layers` and `load_gguf` (`phi3.own_rotary`)
+    return config
 
 
 # --- Qwen3.5 (qwen35) ----------------------------------------------------------------------
@@ -1073,7 +1089,8 @@ def load_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied
     model.lm_head = tensors.linear(head, out_dtype=torch.float32)
     with torch.device("cpu"):  # its frequencies, computed (they are no weights of the file)
-        decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
+        decoder.rotary_emb = (phi3.own_rotary(config)
+                              or type(decoder.rotary_emb)(config=config))
     if ROPE_FREQS in tensors:  # Llama 3.1-3.3's scaling, as the converter stores it
         divide_rope_frequencies(decoder.rotary_emb, tensors.floats(ROPE_FREQS))
     if getattr(config, "mtp_num_hidden_layers", 0):  # a draft source (drafters/mtp.py)
@@ -1129,10 +1146,16 @@ def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) 
         for name, module in arch.layer_norms:
             getattr(layer, module).weight = _norm(tensors, f"{blk}{name}.weight", hidden, offset)
         attn = layer.self_attn
-        if arch.fused_projections:  # q, k, v: consecutive rows of one tensor
+        if arch.fused_projections:  # q, k, v: consecutive rows of one tensor (Phi-3's q and k
+            # heads stored reordered where the rope turns part of them: `phi3.head_rows`)
             ends = np.cumsum([0, heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
-            projections = [(part, "attn_qkv", np.arange(start, end), None) for part, start, end
-                           in zip(("q_proj", "k_proj", "v_proj"), ends[:-1], ends[1:], strict=True)]
+            orders = (phi3.head_rows(heads, head_dim, config.phi3_rope),
+                      phi3.head_rows(kv_heads, head_dim, config.phi3_rope), None)
+            projections = [(part, "attn_qkv", start + (np.arange(end - start) if order is None
+                                                       else order), None)
+                           for part, start, end, order in zip(
+                               ("q_proj", "k_proj", "v_proj"), ends[:-1], ends[1:], orders,
+                               strict=True)]
         else:
             projections = [(part, f"attn_{name}", rows, f"{blk}attn_{name}.bias"
                             if arch.attention_biases else None) for part, name, rows in (

@@ -89,9 +89,10 @@ GEMMA3 = Architecture("gemma3", ("gemma3_text",), activation=GELU_TANH, norm_plu
                       embedding_scale=True, pytorch_layers=False, rope_scaling=("linear",),
                       stored_plus_one=True)
 # Phi-3 and Phi-4: once its fused projections are split, a Phi-3 layer is Mistral's (its
-# RMSNorms, SiLU-gated MLP, rope on the whole head, a window on every layer or on none), so a
-# file (`gguf.phi3_config`) and a transformers folder (`models/phi3.as_mistral`) are read into
-# transformers' Mistral model and run as one (hence no model type here).
+# RMSNorms, SiLU-gated MLP, a window on every layer or on none; LongRoPE and a partial rotary
+# factor by `models/phi3.RotaryByPosition`), so a file (`gguf.phi3_config`) and a transformers
+# folder (`models/phi3.as_mistral`) are read into transformers' Mistral model and run as one
+# (hence no model type here).
 PHI3 = Architecture("phi3", (), attention_biases=False, fused_projections=True)
 QWEN35 = Architecture("qwen35", ("qwen3_5_text",), forward=RECURRENT, norm_plus_one=True,
                       head_norms=True, recurrent_layers=True, stored_plus_one=True)
