@@ -16,6 +16,10 @@
   every layer), q/k/v and gate/up each one tensor as llama.cpp's converter writes them; its
   own output head; the default model's 49,152 tokens, not Phi-3's 32,064 (the padded tokenizer
   below cannot be cut: 1.5% more weight bytes a step, for both engines).
+- `phi-4-mini`: Phi-4-mini-instruct's (32 layers, 24 query and 8 key-value heads of 128, MLP
+  8192, 200,064 tokens, tied embedding), its rope as its converted file holds it: 96 of each
+  head's 128 dimensions turned, LongRoPE factors (`rope_factors_long`/`_short`, made up: speed
+  does not depend on them) over an original context of 4,096 in 131,072; no window.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 used, the router in F32)
   for `--layers` of its 48 layers (each layer is ~1.2 GB in F16, ~0.3 GB in Q4_K_M).
 
@@ -64,6 +68,8 @@ class Config:
     experts_used: int = 0
     expert_ffn: int = 0
     llama3_rope: dict | None = None  # Llama 3's rope scaling, written as rope_freqs.weight
+    turned: int = 0  # phi3: the rope's dimensions of a head, where it turns part of it
+    longrope: bool = False  # phi3: LongRoPE factors, an original context of 4,096
     linear_heads: tuple[int, int, int, int] = (0, 0, 0, 0)  # qwen35: Gated DeltaNet key and
     # value heads and their sizes (every `full_every`-th layer full attention, the rest these)
     full_every: int = 4
@@ -80,6 +86,8 @@ CONFIGS = {
                          linear_heads=(16, 32, 128, 128)),
     "phi-3-mini": Config("phi3", 3072, 8192, 32, 32, 96, 32, 49152, 10000.0, 1e-5, tied=False,
                          window=2047),
+    "phi-4-mini": Config("phi3", 3072, 8192, 24, 8, 128, 32, 200064, 10000.0, 1e-5,
+                         turned=96, longrope=True),
     "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
                             tied=False, experts=128, experts_used=8, expert_ffn=768),
 }
@@ -116,7 +124,7 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     # (llama.cpp looks for Phi-3's </s>, <s> and <unk> in a file whose name says "phi3")
     writer.add_name("random shape" if c.arch == "phi3" else f"random {c.arch} shape")
     writer.add_block_count(c.layers)
-    writer.add_context_length(131072 if c.llama3_rope else 32768)
+    writer.add_context_length(131072 if c.llama3_rope or c.longrope else 32768)
     writer.add_embedding_length(c.hidden)
     writer.add_feed_forward_length(c.intermediate)
     writer.add_head_count(c.heads)
@@ -127,10 +135,16 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     writer.add_value_length(c.head_dim)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     if c.arch in ("llama", "phi3"):
-        writer.add_rope_dimension_count(c.head_dim)
+        writer.add_rope_dimension_count(c.turned or c.head_dim)
+    if c.longrope:  # as the converter writes it (`Phi3MiniModel`): attention factor, factors
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(32) / np.log(4096))))
+        pairs = (c.turned or c.head_dim) // 2
+        writer.add_tensor("rope_factors_long.weight", np.linspace(1, 40, pairs, dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.linspace(1, 3, pairs, dtype=np.float32))
     if c.arch == "llama":
         writer.add_vocab_size(c.vocab)
-    if c.window:
+    if c.window or c.arch == "phi3":  # (the converter writes Phi-3's always: 0 for none)
         writer.add_sliding_window(c.window)
     linear_layers = []
     if c.arch == "qwen35":  # the Gated DeltaNet's sizes and the layer pattern

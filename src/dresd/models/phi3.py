@@ -126,24 +126,23 @@ class RotaryByPosition(torch.nn.Module):
         self.head_dim, self.turned = head_dim, turned
         # transformers' formula, term for term, so every frequency has its bits
         shape = torch.arange(0, turned, 2, dtype=torch.int64).float() / turned
-        if rope.get("short_factor") is None:
-            self.short = 1.0 / (base ** shape)
-            self.long, self.original, self.scaling = self.short, None, 1.0
-        else:
-            self.short = 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32)
-                                * base ** shape)
-            self.long = 1.0 / (torch.tensor(rope["long_factor"], dtype=torch.float32)
-                               * base ** shape)
+        self.original, self.scaling = None, 1.0
+        short = long = 1.0 / (base ** shape)
+        if rope.get("short_factor") is not None:
+            short, long = (1.0 / (torch.tensor(rope[name], dtype=torch.float32) * base ** shape)
+                           for name in ("short_factor", "long_factor"))
             self.original = rope["original_max_position_embeddings"]
             self.scaling = rope["attention_factor"]
+        # float32 always (as buffers, a model's .to(bfloat16) would round them)
+        self.short, self.long = short, long
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         positions = position_ids[..., None]
-        frequencies = positions.float() * self.short
+        frequencies = positions.float() * self.short.to(x.device)
         if self.original is not None:  # LongRoPE: the long factors from the original context on
             frequencies = torch.where(positions >= self.original,
-                                      positions.float() * self.long, frequencies)
+                                      positions.float() * self.long.to(x.device), frequencies)
         cos, sin = frequencies.cos() * self.scaling, frequencies.sin() * self.scaling
         rest = (self.head_dim - self.turned) // 2
         if rest:
