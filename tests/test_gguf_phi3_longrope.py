@@ -37,6 +37,7 @@ from dresd.drafters import NoDrafter
 from dresd.errors import DresdError
 from dresd.kernels import quant
 from dresd.models import phi3
+from dresd.models.gguf_file import describe, open_gguf
 from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
@@ -101,6 +102,14 @@ def test_longrope_matches_transformers_decoding_past_the_original_context(
     assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
     assert isinstance(target.model.model.rotary_emb, phi3.RotaryByPosition)
     check_against_reference(target, model, prompt_seed)
+
+
+def test_inspect_names_the_rope(path):
+    """`dresd inspect` says how the file turns its heads: 48 dimensions, LongRoPE over 32."""
+    described = describe(open_gguf(path))
+    assert described["dresd_runs_it_natively"] == "yes"
+    assert (described["rope_dimensions"], described["rope_scaling"],
+            described["rope_original_context"]) == (48, "longrope", 32)
 
 
 def test_the_long_factors_and_the_partial_turn_each_matter(targets, model, path, monkeypatch):

@@ -138,6 +138,14 @@ def test_file_matches_transformers_float32_past_the_original_context(targets, mo
     check_against_reference(targets[name], models[name], all_equal=name == "llama3")
 
 
+def test_inspect_names_each_files_rope_scaling(files):
+    """`dresd inspect` says how each file scales its rope, as the converter stored it."""
+    from dresd.models.gguf_file import describe, open_gguf
+
+    named = {name: describe(open_gguf(path))["rope_scaling"] for name, path in files.items()}
+    assert named == {"llama3": "llama3 (rope_freqs)", "linear": "linear", "yarn": "yarn"}
+
+
 def test_llama3_file_fails_without_rope_freqs(files, models, monkeypatch):
     """The bug this fixes: with rope_freqs ignored (as before), the file's tokens part from the
     reference's at once and its logits are far off."""

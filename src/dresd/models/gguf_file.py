@@ -351,6 +351,17 @@ def _walk_header(cursor: _Cursor) -> tuple[dict[str, Field], list[TensorInfo], i
     return entries, infos, start
 
 
+def rope_scaling(reader: GGUFFile, architecture: str) -> str | None:
+    """How the file scales its rope, as llama.cpp's converter stores it: LongRoPE's factor
+    tensors (Phi-3's 128k models), Llama 3's `rope_freqs`, else `rope.scaling.type`."""
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_factors_long.weight" in names:
+        return "longrope"
+    if "rope_freqs.weight" in names:
+        return "llama3 (rope_freqs)"
+    return metadata(reader, f"{architecture}.rope.scaling.type")
+
+
 def describe(reader: GGUFFile) -> dict:
     """What `dresd inspect`-style output says about a file: architecture, name, tensor types
     with their counts, parameters and bytes."""
@@ -376,6 +387,10 @@ def describe(reader: GGUFFile) -> dict:
             "layers": metadata(reader, f"{architecture}.block_count"),
             "context_length": metadata(reader, f"{architecture}.context_length"),
             "sliding_window": metadata(reader, f"{architecture}.attention.sliding_window"),
+            "rope_dimensions": metadata(reader, f"{architecture}.rope.dimension_count"),
+            "rope_scaling": rope_scaling(reader, architecture),
+            "rope_original_context": metadata(
+                reader, f"{architecture}.rope.scaling.original_context_length"),
             "experts": metadata(reader, f"{architecture}.expert_count"),
             "experts_used": metadata(reader, f"{architecture}.expert_used_count"),
             # MTP blocks (Qwen3.5's NextN): `--method mtp` drafts with one
