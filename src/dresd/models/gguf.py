@@ -82,6 +82,8 @@ from dresd.kernels.linear import kernel as linear_kernel
 from dresd.models import compact_tokenizer, phi3, spec
 from dresd.models.gguf_file import (
     FLOAT_TYPES,
+    PHI3_ROPE_FACTORS,
+    ROPE_FREQS,
     SUPPORTED_TYPES,
     GGUFError,
     GGUFFile,
@@ -358,9 +360,6 @@ def end_of_generation(reader: GGUFFile, *texts: str) -> int | list[int] | None:
     present = token_indices(reader, texts)
     ends += [present[text] for text in texts if text in present and present[text] not in ends]
     return ends[0] if len(ends) == 1 else (ends or None)
-
-
-PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def phi3_config(reader: GGUFFile, path: Path) -> MistralConfig:
@@ -732,9 +731,8 @@ OWN_CONFIGS = {"gemma3": gemma3_config, "phi3": phi3_config, "qwen35": qwen35_co
 # YaRN), and for Llama 3.1-3.3's "llama3" scaling a tensor, `rope_freqs.weight`: one factor per
 # rotated pair of dimensions, by which llama.cpp divides that pair's frequency
 # (ggml_rope_ext's freq_factors). transformers' GGUF loader reads neither for these
-# architectures, so without what follows a Llama 3.1 file ran as if unscaled.
-
-ROPE_FREQS = "rope_freqs.weight"
+# architectures, so without what follows a Llama 3.1 file ran as if unscaled
+# (`gguf_file.ROPE_FREQS` names the tensor).
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:

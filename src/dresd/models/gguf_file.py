@@ -25,6 +25,10 @@ from dresd.models import spec
 Q = GGMLQuantizationType
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16}
 SUPPORTED_TYPES = set(quant.LAYOUTS) | set(FLOAT_TYPES) | {Q.BF16}
+# Rope scaling as llama.cpp's converter stores it in tensors: Llama 3.1-3.3's factor per turned
+# pair (`rope_freqs`), Phi-3's LongRoPE factors (long, then short: its 128k-context models)
+ROPE_FREQS = "rope_freqs.weight"
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 class GGUFError(DresdError):
@@ -355,9 +359,9 @@ def rope_scaling(reader: GGUFFile, architecture: str) -> str | None:
     """How the file scales its rope, as llama.cpp's converter stores it: LongRoPE's factor
     tensors (Phi-3's 128k models), Llama 3's `rope_freqs`, else `rope.scaling.type`."""
     names = {tensor.name for tensor in reader.tensors}
-    if "rope_factors_long.weight" in names:
+    if PHI3_ROPE_FACTORS[0] in names:
         return "longrope"
-    if "rope_freqs.weight" in names:
+    if ROPE_FREQS in names:
         return "llama3 (rope_freqs)"
     return metadata(reader, f"{architecture}.rope.scaling.type")
 
