@@ -457,6 +457,20 @@ def convert_with_llama_cpp(folder: Path, path: Path, *options: str,
     return path
 
 
+def convert_phi3_with_llama_cpp(model, folder: Path) -> Path:
+    """A Phi-3 model (`transformers_model("phi3", ...)`) saved in `folder` and converted by
+    llama.cpp's own converter to `folder/converted.gguf`; its tokenizer class GPT-2's, as
+    Phi-4's (else the converter asks for a sentencepiece tokenizer.model)."""
+    import json
+
+    save_transformers_folder(model, folder / "model")
+    config_file = folder / "model" / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    config_file.write_text(json.dumps(config))
+    return convert_with_llama_cpp(folder / "model", folder / "converted.gguf")
+
+
 def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     """rope_freqs.weight as llama.cpp's converter computes it (`LlamaModel.
     generate_extra_tensors`): per rotated pair, 1 for short wavelengths, `factor` for long

@@ -18,7 +18,7 @@ from gguf_files import (
     HF_SHAPE,
     PHI3_WINDOW,
     convert_like_llama_cpp,
-    convert_with_llama_cpp,
+    convert_phi3_with_llama_cpp,
     llama_cpp_converter,
     save_transformers_folder,
     transformers_model,
@@ -131,11 +131,7 @@ def test_phi3_without_its_window_is_wrong(targets, models, paths):
 def test_phi3_llama_cpps_own_converter_file(models, paths, arch, tmp_path):
     """llama.cpp's converter writes the same tensors, bit for bit, and the window (0 for
     none); dresd runs its file as the reference does."""
-    folder = save_transformers_folder(models[arch], tmp_path / arch)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["tokenizer_class"] = "GPT2Tokenizer"  # as Phi-4's: else it asks for tokenizer.model
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    converted = convert_with_llama_cpp(folder, tmp_path / "converted.gguf")
+    converted = convert_phi3_with_llama_cpp(models[arch], tmp_path)
     theirs, ours = gguf.GGUFReader(converted), gguf.GGUFReader(paths[arch])
     tensors = {t.name: t for t in ours.tensors}
     assert {t.name for t in theirs.tensors} == set(tensors)

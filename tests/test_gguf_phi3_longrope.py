@@ -6,8 +6,6 @@ new token, so each row's factors are its own position's, as dresd's are: `models
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import torch
 from gguf_files import (
     PHI3_LONGROPE,
     convert_like_llama_cpp,
-    convert_with_llama_cpp,
+    convert_phi3_with_llama_cpp,
     llama_cpp_converter,
     save_transformers_folder,
     transformers_model,
@@ -166,11 +164,7 @@ def test_longrope_every_method_is_plain_decoding_and_batched_is_alone(targets):
 def test_llama_cpps_own_converter_writes_longrope_as_read_here(model, path, tmp_path):
     """llama.cpp's converter writes the same tensors (the two factor tensors among them) and the
     same attention factor and original context; dresd runs its file as the reference does."""
-    folder = save_transformers_folder(model, tmp_path / "folder")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["tokenizer_class"] = "GPT2Tokenizer"  # as Phi-4's: else it asks for tokenizer.model
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    converted = convert_with_llama_cpp(folder, tmp_path / "converted.gguf")
+    converted = convert_phi3_with_llama_cpp(model, tmp_path)
     theirs, ours = gguf.GGUFReader(converted), gguf.GGUFReader(path)
     tensors = {t.name: t for t in ours.tensors}
     assert {t.name for t in theirs.tensors} == set(tensors)
