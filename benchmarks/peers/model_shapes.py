@@ -124,7 +124,8 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     # (llama.cpp looks for Phi-3's </s>, <s> and <unk> in a file whose name says "phi3")
     writer.add_name("random shape" if c.arch == "phi3" else f"random {c.arch} shape")
     writer.add_block_count(c.layers)
-    writer.add_context_length(131072 if c.llama3_rope or c.longrope else 32768)
+    context = 131072 if c.llama3_rope or c.longrope else 32768
+    writer.add_context_length(context)
     writer.add_embedding_length(c.hidden)
     writer.add_feed_forward_length(c.intermediate)
     writer.add_head_count(c.heads)
@@ -137,8 +138,10 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     if c.arch in ("llama", "phi3"):
         writer.add_rope_dimension_count(c.turned or c.head_dim)
     if c.longrope:  # as the converter writes it (`Phi3MiniModel`): attention factor, factors
-        writer.add_rope_scaling_orig_ctx_len(4096)
-        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(32) / np.log(4096))))
+        original = 4096
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(
+            float(np.sqrt(1 + np.log(context / original) / np.log(original))))
         pairs = (c.turned or c.head_dim) // 2
         writer.add_tensor("rope_factors_long.weight", np.linspace(1, 40, pairs, dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.linspace(1, 3, pairs, dtype=np.float32))
