@@ -819,3 +819,113 @@ def convert_qwen35_like_llama_cpp(model, path: Path, linear_type: Q = Q.BF16,
             data = tensor_bytes(linear_type, np.ascontiguousarray(weights), rng)
             writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=linear_type)
     return _finish(writer, path)
+
+
+# --- gpt-oss ------------------------------------------------------------------------------
+# A tiny gpt-oss: two layers (the first windowed), 8 experts of 64, 2 used per token; its
+# window and YaRN's original context cut short (20 and 32 tokens), so that a test's 64
+# positions run past both; a learned sink per head; biases everywhere gpt-oss has them
+GPT_OSS_WINDOW = 20
+GPT_OSS_SHAPE = dict(vocab_size=49152, hidden_size=128, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                     sliding_window=GPT_OSS_WINDOW, attention_bias=True,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                      "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False,
+                                      "original_max_position_embeddings": 32})
+GPT_OSS_LAYER_TENSORS = {
+    **LAYER_TENSORS, "post_attention_layernorm": "post_attention_norm",
+    "self_attn.sinks": "attn_sinks", "mlp.router": "ffn_gate_inp",
+}
+
+
+def gpt_oss_model(seed: int = 0, expert_type: Q | None = None):
+    """A random float32 `GptOssForCausalLM` of `GPT_OSS_SHAPE`, every weight a bf16 value (so
+    that a bf16 file holds the reference's weights exactly); with `expert_type`, the experts'
+    weights as a file of that type holds them (each quantized along its inputs, as the file's
+    rows run)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.1 * noise
+            else:
+                value = noise * {"model.embed_tokens.weight": 1.0,
+                                 "lm_head.weight": 0.3}.get(name, 0.08)
+            value = value.to(torch.bfloat16).float()
+            if expert_type is not None and name.endswith(("gate_up_proj", "down_proj")):
+                rows = value.transpose(1, 2)  # [experts, outputs, inputs]
+                stored = as_stored(expert_type, rows.reshape(-1, rows.shape[-1]).numpy())
+                value = torch.from_numpy(stored).reshape(rows.shape).transpose(1, 2)
+            parameter.copy_(value)
+    return model.eval()
+
+
+def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16) -> Path:
+    """A `gpt_oss_model` as the GGUF file llama.cpp's converter writes from its folder
+    (`conversion/gpt_oss.py`), its experts then quantized to `expert_type` as llama-quantize
+    would: TextModel's keys, the window, the expert count, used count and size, YaRN's factor,
+    original context and betas; 2-D weights in BF16, norms, biases, sinks and the router in
+    F32; each expert tensor transposed to [experts, outputs, inputs], gate_up's interleaved
+    rows split into gate (even) and up (odd), their biases alike."""
+    config = model.config
+    arch = "gpt-oss"
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_converted_metadata(writer, config)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    add_default_tokenizer(writer)
+    for name, value in model.state_dict().items():
+        weights = value.float().numpy()
+        if name in TOP_TENSORS:
+            gguf_name = TOP_TENSORS[name]
+        else:
+            _, _, index, rest = name.split(".", 3)
+            blk = f"blk.{index}."
+            if rest.startswith("mlp.experts."):
+                _add_gpt_oss_experts(writer, blk, rest.removeprefix("mlp.experts."), weights,
+                                     expert_type)
+                continue
+            part, kind = rest.rsplit(".", 1) if rest != "self_attn.sinks" else (rest, "weight")
+            gguf_name = f"{blk}{GPT_OSS_LAYER_TENSORS[part]}.{kind}"
+        if weights.ndim == 1 or gguf_name.endswith("ffn_gate_inp.weight"):  # the router: F32,
+            writer.add_tensor(gguf_name, weights.astype(np.float32))       # as the converter
+        else:
+            data = gguf.quants.quantize(weights, Q.BF16)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
+    return _finish(writer, path)
+
+
+def _add_gpt_oss_experts(writer: gguf.GGUFWriter, blk: str, name: str, weights: np.ndarray,
+                         qtype: Q) -> None:
+    """One of a gpt-oss layer's expert tensors under llama.cpp's names (`GptOssModel.
+    modify_tensors`)."""
+    if name.endswith("_bias"):  # [experts, outputs]
+        parts = ({"ffn_gate_exps": weights[:, ::2], "ffn_up_exps": weights[:, 1::2]}
+                 if name.startswith("gate_up") else {"ffn_down_exps": weights})
+        for gguf_name, part in parts.items():
+            writer.add_tensor(f"{blk}{gguf_name}.bias", np.ascontiguousarray(part, np.float32))
+        return
+    rows = weights.transpose(0, 2, 1)  # [experts, outputs, inputs]
+    parts = ({"ffn_gate_exps": rows[:, ::2], "ffn_up_exps": rows[:, 1::2]}
+             if name.startswith("gate_up") else {"ffn_down_exps": rows})
+    for gguf_name, part in parts.items():
+        part = np.ascontiguousarray(part)
+        data = gguf.quants.quantize(part.reshape(-1, part.shape[-1]), qtype)
+        data = data.reshape(*part.shape[:-1], -1)
+        writer.add_tensor(f"{blk}{gguf_name}.weight", data, raw_shape=data.shape,
+                          raw_dtype=qtype)

@@ -140,14 +140,14 @@ class LlamaForward:
     @classmethod
     def takes_on_c_decoder(cls, model: PreTrainedModel) -> bool:
         """Whether `model` is one this forward runs where its C decoder builds: Gemma-3's text
-        model (its rope per layer type, each static), or a Llama-shaped one with a window on
-        every layer (Mistral's; a Phi-3 file's)."""
+        model (its rope per layer type, each static), a gpt-oss file's (one static rope), or a
+        Llama-shaped one with a window on every layer (Mistral's; a Phi-3 file's)."""
         config = model.config
         if config.model_type not in cls.C_DECODER_ONLY:
             return cls.takes(model, windowed=True)
         if not type(model).__module__.startswith("transformers.models."):
             return False
-        ropes = (getattr(config, "rope_parameters", None) or {}).values()
+        ropes = _ropes_by_layer_type(config).values()
         if not ropes or any(not isinstance(rope, dict)
                             or rope.get("rope_type", "default") not in cls.STATIC_ROPE
                             for rope in ropes):
@@ -180,9 +180,9 @@ class LlamaForward:
         self.c_decoder = (c_decoder.build(self.decoder, config, self.fused)
                           if self.invariant_kernel else None)
         # Gemma-3: a rotary table per layer type; the windowed layers' window (Gemma-3's
-        # sliding layers, every layer of a Mistral with one)
+        # sliding layers, gpt-oss's, every layer of a Mistral with one)
         types = set(getattr(config, "layer_types", None) or ()) \
-            if config.model_type in self.C_DECODER_ONLY else set()
+            if _nested_rope(config) else set()
         self.rope_types = sorted(types)  # [] a Llama's one table (its rotary_emb takes no type)
         self.window = sliding_window(config)
 
@@ -223,6 +223,10 @@ class LlamaForward:
             self._positions = position_ids
         else:
             cos, sin = self.decoder.rotary_emb(hidden, position_ids)
+        if cos.shape[-1] == self.head_dim // 2:  # gpt-oss's: one value per turned pair, which
+            # rotates (x1, x2) to (x1 cos - x2 sin, x2 cos + x1 sin): Llama's rotation by the
+            # table written twice
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         bounds = [0]
         for segment in segments:
             bounds.append(bounds[-1] + len(segment))
@@ -347,6 +351,19 @@ class LlamaForward:
         for segment in segments:
             segment.sequence.length = segment.start + len(segment)
         return split_outputs(self.model, segments, bounds, hidden)
+
+
+def _nested_rope(config) -> bool:
+    """Whether the config's rope parameters are one set per layer type (Gemma-3's), not one."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return bool(rope) and "rope_type" not in rope and all(isinstance(value, dict)
+                                                          for value in rope.values())
+
+
+def _ropes_by_layer_type(config) -> dict:
+    """The config's rope parameters per layer type (one set: {"all": it}), {} where none."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope if _nested_rope(config) or not rope else {"all": rope}
 
 
 @dataclass

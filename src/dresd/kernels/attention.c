@@ -2,6 +2,8 @@
  *
  *   out[r, h] = sum_j w[h, r, j] v[g, j] / sum_j w[h, r, j],   g = h / groups (grouped heads)
  *   w[h, r, j] = exp(s[h, r, j] - max_j s[h, r, j]),  s = (q[h, r] . k[g, j]) * scale + mask[r, j]
+ *   (with attention sinks, gpt-oss's: a learned logit per head joins the max and the
+ *   normaliser, exp(sink[h] - max) added to sum_j w before the keys, and has no value)
  *
  * The promise: a query row's output depends only on the row and on the keys and values it may
  * see, in their order; not on how many rows came with it, nor on masked keys between them. So a
@@ -229,10 +231,12 @@ static inline __attribute__((always_inline)) void score_rows(
 #endif
 
 /* Turns one row's scores into weights exp(s * scale + mask - max), in place. Masked keys (an
- * additive mask below -1e30, at or past visible_until, or padding) get exactly 0. Returns 0,
- * or -1 when the row sees no key. */
+ * additive mask below -1e30, at or past visible_until, or padding) get exactly 0. With an
+ * attention sink (gpt-oss: a learned logit per head, -inf where there is none) the max runs
+ * over the keys and the sink, and *sink_weight = exp(sink - max) joins the normaliser only
+ * (the sink has no value). Returns 0, or -1 when the row sees no key. */
 static int weigh_row(float *scores, const uint16_t *mask, int length, int padded,
-                     int visible_until, float scale) {
+                     int visible_until, float scale, float sink, float *sink_weight) {
     const vec lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const vec minus_inf = splat(-__builtin_inff());
     vec top = minus_inf;
@@ -251,8 +255,10 @@ static int weigh_row(float *scores, const uint16_t *mask, int length, int padded
     float best = top[0];
     for (int lane = 1; lane < LANES; lane++) best = top[lane] > best ? top[lane] : best;
     if (best == -__builtin_inff()) return -1;
+    if (sink > best) best = sink;
     for (int j = 0; j < padded; j += LANES)
         store(scores + j, exp_nonpositive(load(scores + j) - splat(best))); /* -inf -> 0 */
+    *sink_weight = exp_nonpositive(splat(sink - best))[0]; /* the same polynomial; none: 0 */
     return 0;
 }
 
@@ -265,14 +271,16 @@ static inline vec load_bf16(const uint16_t *from) {
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* As the portable weigh_values below, 16 dims (two registers) at a time: per row and dim,
- * acc = fma(w[j], v[j], acc) and total += w[j] for j = 0, 1, ..., then acc / total rounded
- * to bf16: the same operations in the same order. */
+ * acc = fma(w[j], v[j], acc) and total += w[j] for j = 0, 1, ... (total from the sink's
+ * weight), then acc / total rounded to bf16: the same operations in the same order. */
 static inline __attribute__((always_inline)) void weigh_values(
-        const int n, const float *const weights[ROWS], const uint16_t *values, int length,
-        int dim, uint16_t *const out[ROWS]) {
-    float total[ROWS] = {0};
-    for (int i = 0; i < n; i++)
+        const int n, const float *const weights[ROWS], const float sink_weights[ROWS],
+        const uint16_t *values, int length, int dim, uint16_t *const out[ROWS]) {
+    float total[ROWS];
+    for (int i = 0; i < n; i++) {
+        total[i] = sink_weights[i];
         for (int j = 0; j < length; j++) total[i] += weights[i][j];
+    }
     for (int chunk = 0; chunk < dim; chunk += 16) {
         __m256 acc[ROWS][2];
         for (int i = 0; i < n; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -300,15 +308,17 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 #else
-/* out[i] = sum_j weights[i][j] values[j] / sum_j weights[i][j] for n rows, key by key in the
- * keys' order (the lanes run over the head dimension, BLOCK dimensions at a time); as bf16.
- * values: length x dim bf16, read as floats (exact) where they are used. */
+/* out[i] = sum_j weights[i][j] values[j] / (sink_weights[i] + sum_j weights[i][j]) for n
+ * rows, key by key in the keys' order (the lanes run over the head dimension, BLOCK
+ * dimensions at a time); as bf16. values: length x dim bf16, read as floats (exact) where
+ * they are used. */
 static inline __attribute__((always_inline)) void weigh_values(
-        const int n, const float *const weights[ROWS], const uint16_t *values, int length,
-        int dim, uint16_t *const out[ROWS]) {
+        const int n, const float *const weights[ROWS], const float sink_weights[ROWS],
+        const uint16_t *values, int length, int dim, uint16_t *const out[ROWS]) {
     for (int chunk = 0; chunk < dim; chunk += BLOCK) {
         vec acc[ROWS][4] = {{{0}}};
-        float total[ROWS] = {0};
+        float total[ROWS];
+        for (int i = 0; i < n; i++) total[i] = sink_weights[i];
         for (int j = 0; j < length; j++) {
             const uint16_t *row = values + (int64_t)j * dim + chunk;
             vec value[4] = {load_bf16(row), load_bf16(row + LANES), load_bf16(row + 2 * LANES),
@@ -442,10 +452,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         const int n, int first, const uint16_t *query, int64_t query_head_stride,
         int64_t query_row_stride, const void *keys_t, const uint16_t *v, const uint16_t *mask,
         int64_t mask_stride, int g, int groups, int rows, int length, int padded, int dim,
-        float scale, uint16_t *out, int64_t out_row_stride, float *const scores[ROWS],
-        float *const query_f[ROWS]) {
+        float scale, const float *sinks, uint16_t *out, int64_t out_row_stride,
+        float *const scores[ROWS], float *const query_f[ROWS]) {
     const void *queries[ROWS];
     uint16_t *outs[ROWS];
+    float sink_weights[ROWS];
     for (int i = 0; i < n; i++) {
         int h = g * groups + (first + i) / rows, r = (first + i) % rows;
         const uint16_t *q = query + h * query_head_stride + r * query_row_stride;
@@ -459,16 +470,19 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
     score_rows(n, queries, keys_t, padded, dim, scores);
     for (int i = 0; i < n; i++) {
-        int r = (first + i) % rows;
+        int h = g * groups + (first + i) / rows, r = (first + i) % rows;
         const uint16_t *row_mask = mask ? mask + (int64_t)r * mask_stride : NULL;
         int visible_until = mask ? length : length - rows + r + 1;
-        if (weigh_row(scores[i], row_mask, length, padded, visible_until, scale) != 0) {
+        float sink = sinks ? sinks[h] : -__builtin_inff();
+        sink_weights[i] = 0.0f;
+        if (weigh_row(scores[i], row_mask, length, padded, visible_until, scale, sink,
+                      &sink_weights[i]) != 0) {
             memset(outs[i], 0, (size_t)dim * sizeof(uint16_t)); /* sees no key */
             outs[i] = NULL;
             memset(scores[i], 0, (size_t)padded * sizeof(float));
         }
     }
-    weigh_values(n, (const float *const *)scores, v, length, dim, outs);
+    weigh_values(n, (const float *const *)scores, sink_weights, v, length, dim, outs);
 }
 
 /* One kv head g of one sequence: every query row of the heads that read it. Query row
@@ -478,8 +492,8 @@ static inline __attribute__((always_inline)) void attend_rows(
 static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
                            int64_t query_row_stride, const uint16_t *k, const uint16_t *v,
                            const uint16_t *mask, int64_t mask_stride, int g, int groups,
-                           int rows, int length, int dim, float scale, uint16_t *out,
-                           int64_t out_row_stride, float *scratch) {
+                           int rows, int length, int dim, float scale, const float *sinks,
+                           uint16_t *out, int64_t out_row_stride, float *scratch) {
     int padded = (length + BLOCK - 1) / BLOCK * BLOCK;
     float *keys_t = scratch;
     float *scores[ROWS], *query_f[ROWS];
@@ -492,7 +506,7 @@ static void attend_kv_head(const uint16_t *query, int64_t query_head_stride,
     int count = groups * rows, first = 0;
 #define ATTEND(n) attend_rows(n, first, query, query_head_stride, query_row_stride, keys_t, v, \
                               mask, mask_stride, g, groups, rows, length, padded, dim, scale, \
-                              out, out_row_stride, scores, query_f)
+                              sinks, out, out_row_stride, scores, query_f)
     for (; first + ROWS <= count; first += ROWS) ATTEND(ROWS);
     switch (count - first) {
         case 3: ATTEND(3); break;
@@ -518,7 +532,7 @@ int dresd_attention(const uint16_t *query, const uint16_t *keys, const uint16_t 
     for (int g = 0; g < kv_heads; g++)
         attend_kv_head(query, (int64_t)rows * dim, dim, keys + g * key_head_stride,
                        values + g * value_head_stride, mask, mask_stride, g, heads / kv_heads,
-                       rows, length, dim, scale, out, (int64_t)heads * dim, scratch);
+                       rows, length, dim, scale, NULL, out, (int64_t)heads * dim, scratch);
     free(scratch);
     return 0;
 }
@@ -530,13 +544,15 @@ int dresd_attention(const uint16_t *query, const uint16_t *keys, const uint16_t 
  * owns rows first[s] .. first[s] + rows[s] - 1 of query and of out (total_rows x heads x dim,
  * contiguous). keys[s], values[s]: its kv_heads x lengths[s] x dim, head strides given;
  * masks[s]: rows[s] x mask_strides[s] additive bf16 (last lengths[s] columns) or NULL (causal).
+ * sinks: each head's attention sink (float32 [heads], weigh_row says how), or NULL: none.
  * Returns 0, or -1 when out of memory. */
 int dresd_attention_batch(int segments, const uint16_t *query, int64_t query_row_stride,
                           const int *first, const int *rows, const uint16_t *const *keys,
                           const uint16_t *const *values, const int64_t *key_head_strides,
                           const int64_t *value_head_strides, const uint16_t *const *masks,
                           const int64_t *mask_strides, const int *lengths, int heads,
-                          int kv_heads, int dim, float scale, uint16_t *out, int threads) {
+                          int kv_heads, int dim, float scale, const float *sinks, uint16_t *out,
+                          int threads) {
     int longest = 0, failed = 0;
     for (int s = 0; s < segments; s++) longest = lengths[s] > longest ? lengths[s] : longest;
     size_t bytes = (scratch_floats(longest, dim) * sizeof(float) + 63) / 64 * 64;
@@ -556,7 +572,7 @@ int dresd_attention_batch(int segments, const uint16_t *query, int64_t query_row
             const uint16_t *q = query + (int64_t)first[s] * query_row_stride;
             attend_kv_head(q, dim, query_row_stride, keys[s] + g * key_head_strides[s],
                            values[s] + g * value_head_strides[s], masks[s], mask_strides[s], g,
-                           heads / kv_heads, rows[s], lengths[s], dim, scale,
+                           heads / kv_heads, rows[s], lengths[s], dim, scale, sinks,
                            out + (int64_t)first[s] * heads * dim, (int64_t)heads * dim,
                            scratch);
         }

@@ -44,7 +44,8 @@ def kernel() -> ctypes.CDLL | None:
     function.restype = i32
     batch = library.dresd_attention_batch
     batch.argtypes = [i32, pointer, i64, pointer, pointer, pointer, pointer, pointer, pointer,
-                      pointer, pointer, pointer, i32, i32, i32, ctypes.c_float, pointer, i32]
+                      pointer, pointer, pointer, i32, i32, i32, ctypes.c_float, pointer, pointer,
+                      i32]
     batch.restype = i32
     return library
 
@@ -106,7 +107,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def attention_batch(query: torch.Tensor, bounds: list[int], keys: list[torch.Tensor],
                     values: list[torch.Tensor], masks: list[torch.Tensor | None], scale: float,
-                    threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    threads: int | None = None, out: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every segment's attention in one kernel call, threads sharing the (segment, kv head)
     pairs; each row bit for bit what `attention` gives it.
 
@@ -114,8 +116,13 @@ def attention_batch(query: torch.Tensor, bounds: list[int], keys: list[torch.Ten
     rows contiguous); segment s owns rows bounds[s]:bounds[s + 1]. keys[s], values[s]: its
     [1, kv_heads, length_s, dim] (rows contiguous, e.g. a preallocated cache's view); masks[s]:
     as `attention` takes it, or None (causal). threads: default `torch.get_num_threads()`.
+    sinks: float32 [heads], each head's attention sink (gpt-oss's), or None.
     Returns (or fills) out [total_rows, heads, dim]."""
     total, heads, dim = query.shape
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,)
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"attention_batch: sinks float32 [{heads}], not {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
     if query.stride(-1) != 1 or query.stride(-2) != dim:
         query = query.contiguous()
     if out is None:
@@ -145,7 +152,8 @@ def attention_batch(query: torch.Tensor, bounds: list[int], keys: list[torch.Ten
     status = kernel().dresd_attention_batch(
         count, query.data_ptr(), query.stride(0), first, rows, key_pointers, value_pointers,
         key_strides, value_strides, mask_pointers, mask_strides, lengths, heads, kv_heads, dim,
-        scale, out.data_ptr(), threads or torch.get_num_threads())
+        scale, None if sinks is None else sinks.data_ptr(), out.data_ptr(),
+        threads or torch.get_num_threads())
     if status != 0:
         raise MemoryError("dresd_attention_batch: out of memory")
     return out

@@ -12,8 +12,9 @@
  *   q, k    = rms_norm(q) * w_q, rms_norm(k) * w_k      per head, where the model has them
  *                                                        (Qwen3), else as they are
  *   q, k    = rotary(q), rotary(k);  k, v -> each sequence's cache, rows start .. start + t - 1
- *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant)
- *   hidden  = hidden + mixed Wo^T                         (Gemma: + rms_norm(mixed Wo^T) * w)
+ *   mixed   = attention per sequence                      cpu_attention.c (batch-invariant;
+ *                                                        gpt-oss: with its sinks)
+ *   hidden  = hidden + mixed Wo^T (+ bias, gpt-oss)       (Gemma: + rms_norm(mixed Wo^T) * w)
  *   normed  = rms_norm(hidden) * w_post
  *   g, u    = normed [Wgate | Wup]^T;  act = silu(g) * u  (Gemma: gelu_tanh(g) * u)
  *   hidden  = hidden + act Wdown^T                        (Gemma: + rms_norm(act Wdown^T) * w)
@@ -85,6 +86,11 @@ typedef struct {
      * Segments' window_start on, with its window_masks) and rotates by the second rotary table;
      * NULL: no layer does. */
     const unsigned char *windowed;
+    /* gpt-oss's (NULL where the model has none): [layers] -> float32 [heads], each head's
+     * attention sink (attention.c's weigh_row); [layers] -> float32 [hidden], the bias of
+     * the attention's output projection. */
+    const float *const *sinks;
+    const float *const *o_bias;
 } Decoder;
 
 enum { ACTIVATION_SILU = 0, ACTIVATION_GELU_TANH = 1 };
@@ -232,6 +238,9 @@ static void add_residual(uint16_t *hidden, const uint16_t *delta, int n) {
 }
 
 static int qkv_width(const Decoder *m) { return (m->heads + 2 * m->kv_heads) * m->head_dim; }
+static const float *o_bias(const Decoder *m, int layer) {
+    return m->o_bias ? m->o_bias[layer] : NULL;
+}
 
 /* Whether the element-wise row loops below share their rows between threads: each row is
  * computed alone, so this changes no bit; under ~8 rows the fork and join would cost more
@@ -322,7 +331,7 @@ int dresd_decoder_attention_outputs(const Decoder *m, int layer, uint16_t *hidde
     if (!scratch) return -1;
     uint16_t *projected = scratch, *normed = projected + (size_t)rows * d;
     uint16_t *gate_up = normed + (size_t)rows * d, *act = gate_up + (size_t)rows * 2 * inter;
-    int status = project(mixed, rows, m->heads * m->head_dim, &m->o[layer], NULL, d,
+    int status = project(mixed, rows, m->heads * m->head_dim, &m->o[layer], o_bias(m, layer), d,
                          projected, threads);
     if (status != 0) {
         free(scratch);
@@ -396,7 +405,8 @@ int dresd_decoder_attention(const Decoder *m, int layer, const uint16_t *qkv,
         status = dresd_attention_batch(count, qkv, qkv_width(m), segments->first,
                                        segments->rows, keys, values, strides, strides,
                                        masks, mask_strides, lengths,
-                                       m->heads, m->kv_heads, dim, m->scale, mixed, threads);
+                                       m->heads, m->kv_heads, dim, m->scale,
+                                       m->sinks ? m->sinks[layer] : NULL, mixed, threads);
     }
     free(keys);
     free(strides);

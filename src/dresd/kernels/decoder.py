@@ -124,7 +124,8 @@ class DecoderStruct(ctypes.Structure):
                 ("q_norm", _pointers), ("k_norm", _pointers),
                 ("norm_plus_one", _i32), ("activation", _i32),
                 ("attention_out_norm", _pointers), ("mlp_out_norm", _pointers),
-                ("windowed", ctypes.POINTER(ctypes.c_ubyte))]
+                ("windowed", ctypes.POINTER(ctypes.c_ubyte)), ("sinks", _pointers),
+                ("o_bias", _pointers)]
 
 
 class SegmentsStruct(ctypes.Structure):
@@ -272,6 +273,8 @@ class CDecoder:
             return None
         if config.hidden_size % 16 or config.intermediate_size % 16:
             return None
+        if any(getattr(layer.self_attn, "sinks", None) is not None for layer in layers):
+            return None  # attention sinks: gpt-oss's, whose MLPs are experts (MoEDecoder)
         for layer, parts in zip(layers, fused, strict=True):
             modules = (layer.self_attn.o_proj, layer.mlp.down_proj)
             if not all(isinstance(m, PROJECTIONS) and m.bias is None for m in modules):

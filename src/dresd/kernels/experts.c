@@ -1,4 +1,4 @@
-/* A mixture-of-experts MLP (Qwen3-MoE's) in C, and the decoder whose layers end in one
+/* A mixture-of-experts MLP (Qwen3-MoE's, gpt-oss's) in C, and the decoder whose layers end in one
  * (dresd/kernels/experts.py loads it; decoding/forward.py calls it). Every kernel tier.
  *
  * Per row x of the post-attention norm's output, as llama.cpp's `build_moe_ffn` (softmax
@@ -14,6 +14,12 @@
  *                                       weights (linear.c or quant.c, through decoder.c's
  *                                       `project`), rounded to bf16 as the dense MLP is
  *   out     = bf16(sum_j w_j y_j)       float32, in rank order j = 0, 1, ..., one rounding
+ *
+ * gpt-oss's experts differ (the `Experts` fields after `down`): the router and every
+ * projection have biases (added in float32 before the rounding); the gating takes the top k
+ * logits first, then the softmax over those k; the activation is the clamped SwiGLU
+ * (`swiglu_times`). Its layers' sliding windows, attention sinks and output bias are
+ * decoder.c's.
  *
  * The promise, as decoder.c's: a row's output depends on that row alone. Its routing reads
  * its own values only; each expert's rows are gathered and multiplied together, and the linear
@@ -31,13 +37,51 @@ typedef struct {
     const float *const *router;  /* [layers] -> float32 [experts][hidden] */
     const Weight *gate_up;       /* [layers * experts]: [gate | up], 2 * ffn outputs */
     const Weight *down;          /* [layers * experts]: hidden outputs from ffn inputs */
+    /* gpt-oss's (0 / NULL: Qwen3-MoE's softmax gating, SiLU experts, no biases): */
+    int gating;                  /* GATING_SOFTMAX or GATING_TOP_K_SOFTMAX */
+    int activation;              /* EXPERTS_SILU or EXPERTS_SWIGLU_CLAMPED */
+    float alpha, limit;          /* the clamped SwiGLU's (swiglu_times) */
+    const float *const *router_bias;   /* [layers] -> float32 [experts], or NULL */
+    const float *const *gate_up_bias;  /* [layers * experts] -> float32 [2 * ffn], or NULL */
+    const float *const *down_bias;     /* [layers * experts] -> float32 [hidden], or NULL */
 } Experts;
+
+/* GATING_SOFTMAX (Qwen3-MoE): p = softmax(logits) over every expert, the top k of p, their
+ * weights renormalised where `norm`. GATING_TOP_K_SOFTMAX (gpt-oss): the top k logits, their
+ * weights the softmax over those k alone (the same weights as the former renormalised, in
+ * exact arithmetic; not the same float32 steps). */
+enum { GATING_SOFTMAX = 0, GATING_TOP_K_SOFTMAX = 1 };
+enum { EXPERTS_SILU = 0, EXPERTS_SWIGLU_CLAMPED = 1 };
+
+static const float *bias_of(const float *const *biases, int at) {
+    return biases ? biases[at] : NULL;
+}
+
+/* v[0 .. count - 1] <- softmax(v), float32: exp of (v - max) (attention.c's
+ * exp_nonpositive), the sum in index order. v has room for count rounded up to 16 (the
+ * padding is written). */
+static void softmax_in_place(float *v, int count) {
+    int padded = (count + LANES - 1) / LANES * LANES;
+    float best = v[0];
+    for (int i = 1; i < count; i++)
+        if (v[i] > best) best = v[i];
+    for (int i = count; i < padded; i++) v[i] = -INFINITY;  /* exp: 0 */
+    for (int i = 0; i < padded; i += LANES) {
+        vec chunk;
+        memcpy(&chunk, v + i, sizeof chunk);
+        chunk = exp_nonpositive(chunk - splat(best));
+        memcpy(v + i, &chunk, sizeof chunk);
+    }
+    float total = 0.0f;
+    for (int i = 0; i < count; i++) total += v[i];
+    for (int i = 0; i < count; i++) v[i] /= total;
+}
 
 /* One row's routing: index[used] (experts, in rank order), weight[used] (float32). probs:
  * scratch of the experts rounded up to 16. */
-static void route_row(const Experts *e, const float *router, const uint16_t *x, int d,
-                      float *probs, int *index, float *weight) {
-    int count = e->experts, padded = (count + LANES - 1) / LANES * LANES;
+static void route_row(const Experts *e, const float *router, const float *router_bias,
+                      const uint16_t *x, int d, float *probs, int *index, float *weight) {
+    int count = e->experts;
     for (int ex = 0; ex < count; ex++) {
         const float *w = router + (int64_t)ex * d;
         vec acc = {0};
@@ -47,20 +91,9 @@ static void route_row(const Experts *e, const float *router, const uint16_t *x, 
             acc = load_bf16(x + i) * wv + acc;
         }
         probs[ex] = sum_lanes(acc);
+        if (router_bias) probs[ex] += router_bias[ex];
     }
-    float best = probs[0];
-    for (int ex = 1; ex < count; ex++)
-        if (probs[ex] > best) best = probs[ex];
-    for (int ex = count; ex < padded; ex++) probs[ex] = -INFINITY;  /* exp: 0 */
-    float total = 0.0f;
-    for (int ex = 0; ex < padded; ex += LANES) {
-        vec v;
-        memcpy(&v, probs + ex, sizeof v);
-        v = exp_nonpositive(v - splat(best));
-        memcpy(probs + ex, &v, sizeof v);
-    }
-    for (int ex = 0; ex < count; ex++) total += probs[ex];
-    for (int ex = 0; ex < count; ex++) probs[ex] /= total;
+    if (e->gating == GATING_SOFTMAX) softmax_in_place(probs, count);
     float chosen = 0.0f;
     for (int j = 0; j < e->used; j++) {
         int pick = -1;
@@ -74,8 +107,29 @@ static void route_row(const Experts *e, const float *router, const uint16_t *x, 
         weight[j] = probs[pick];
         chosen += probs[pick];
     }
-    if (e->norm)
+    if (e->gating == GATING_TOP_K_SOFTMAX) {  /* probs: scratch again (used <= experts) */
+        memcpy(probs, weight, (size_t)e->used * sizeof(float));
+        softmax_in_place(probs, e->used);
+        memcpy(weight, probs, (size_t)e->used * sizeof(float));
+    } else if (e->norm) {
         for (int j = 0; j < e->used; j++) weight[j] /= chosen;
+    }
+}
+
+/* act = bf16(bf16(up' + 1) * bf16(gate' sigmoid(alpha gate'))), gate' = min(gate, limit),
+ * up' = up clamped to [-limit, limit]: gpt-oss's clamped SwiGLU (transformers'
+ * GptOssExperts._apply_gate; alpha 1.702, limit 7). n a multiple of 16. */
+static void swiglu_times(const uint16_t *gate, const uint16_t *up, int n, float alpha,
+                         float limit, uint16_t *act) {
+    vec high = splat(limit), low = splat(-limit), one = splat(1.0f);
+    for (int i = 0; i < n; i += LANES) {
+        vec g = load_bf16(gate + i), u = load_bf16(up + i);
+        g = (vec)(((ivec)g & vec_lt(g, high)) | ((ivec)high & ~vec_lt(g, high)));
+        u = (vec)(((ivec)u & vec_lt(u, high)) | ((ivec)high & ~vec_lt(u, high)));
+        u = (vec)(((ivec)u & vec_ge(u, low)) | ((ivec)low & ~vec_ge(u, low)));
+        vec glu = rounded(times_sigmoid(g, rounded(g * splat(alpha))));
+        store_bf16(act + i, rounded(u + one) * glu);
+    }
 }
 
 /* The routing of `rows` rows of x (rows x d bf16): index and weight rows x used. Exported for
@@ -89,8 +143,9 @@ int dresd_moe_route(const Experts *e, int layer, const uint16_t *x, int rows, in
     if (!probs) return -1;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
     for (int r = 0; r < rows; r++)
-        route_row(e, e->router[layer], x + (int64_t)r * d, d, probs + (int64_t)r * padded,
-                  index + (int64_t)r * e->used, weight + (int64_t)r * e->used);
+        route_row(e, e->router[layer], bias_of(e->router_bias, layer), x + (int64_t)r * d, d,
+                  probs + (int64_t)r * padded, index + (int64_t)r * e->used,
+                  weight + (int64_t)r * e->used);
     free(probs);
     return 0;
 }
@@ -101,7 +156,9 @@ int dresd_moe_route(const Experts *e, int layer, const uint16_t *x, int rows, in
 int dresd_moe_mlp(const Experts *e, int layer, const uint16_t *x, int rows, int d,
                   uint16_t *out, int threads) {
     int count = e->experts, used = e->used, ffn = e->ffn;
-    if (ffn < 16 || ffn % 16) return -2;
+    if (ffn < 16 || ffn % 16 || (e->gating != GATING_SOFTMAX && e->gating != GATING_TOP_K_SOFTMAX)
+        || (e->activation != EXPERTS_SILU && e->activation != EXPERTS_SWIGLU_CLAMPED))
+        return -2;
     if (rows == 0) return 0;
     size_t picks = (size_t)rows * used;
     int *index = malloc(picks * sizeof(int) + (size_t)rows * sizeof(int));
@@ -127,13 +184,18 @@ int dresd_moe_mlp(const Experts *e, int layer, const uint16_t *x, int rows, int 
             }
         if (n == 0) continue;
         int w = layer * count + ex;
-        status = project(gathered, n, d, &e->gate_up[w], NULL, 2 * ffn, gate_up, threads);
+        status = project(gathered, n, d, &e->gate_up[w], bias_of(e->gate_up_bias, w), 2 * ffn,
+                         gate_up, threads);
         if (status != 0) break;
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(n, threads))
-        for (int r = 0; r < n; r++)
-            silu_times(gate_up + (int64_t)r * 2 * ffn, gate_up + (int64_t)r * 2 * ffn + ffn, ffn,
-                       act + (int64_t)r * ffn);
-        status = project(act, n, ffn, &e->down[w], NULL, d, y, threads);
+        for (int r = 0; r < n; r++) {
+            const uint16_t *gate = gate_up + (int64_t)r * 2 * ffn;
+            if (e->activation == EXPERTS_SWIGLU_CLAMPED)
+                swiglu_times(gate, gate + ffn, ffn, e->alpha, e->limit, act + (int64_t)r * ffn);
+            else
+                silu_times(gate, gate + ffn, ffn, act + (int64_t)r * ffn);
+        }
+        status = project(act, n, ffn, &e->down[w], bias_of(e->down_bias, w), d, y, threads);
         for (int r = 0; r < n && status == 0; r++)
             memcpy(results + (size_t)members[r] * d, y + (size_t)r * d, d * sizeof(uint16_t));
     }
@@ -163,8 +225,8 @@ static int moe_attention_outputs(const Decoder *m, const Experts *e, int layer, 
     uint16_t *projected = malloc((size_t)rows * 3 * d * sizeof(uint16_t));
     if (!projected) return -1;
     uint16_t *normed = projected + (size_t)rows * d, *moe = normed + (size_t)rows * d;
-    int status = project(mixed, rows, m->heads * m->head_dim, &m->o[layer], NULL, d, projected,
-                         threads);
+    int status = project(mixed, rows, m->heads * m->head_dim, &m->o[layer], o_bias(m, layer), d,
+                         projected, threads);
     if (status == 0) {
 #pragma omp parallel for num_threads(threads) if (ROWS_IN_PARALLEL(rows, threads))
         for (int r = 0; r < rows; r++) {
@@ -196,7 +258,9 @@ int dresd_moe_decoder(const Decoder *m, const Experts *e, uint16_t *hidden, int 
     for (int s = 0; s < segments->count; s++)
         if (segments->first[s] < 0 || segments->rows[s] < 0 || segments->start[s] < 0
             || segments->first[s] + segments->rows[s] > rows
-            || segments->start[s] + segments->rows[s] > segments->capacity[s])
+            || segments->start[s] + segments->rows[s] > segments->capacity[s]
+            || (segments->window_start && (segments->window_start[s] < 0
+                                           || segments->window_start[s] > segments->start[s])))
             return -2;
     uint16_t *qkv = malloc((size_t)rows * (qkv_width(m) + m->heads * m->head_dim)
                            * sizeof(uint16_t));

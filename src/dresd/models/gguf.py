@@ -63,8 +63,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma3TextConfig,
+    GptOssConfig,
     MistralConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
@@ -196,38 +198,51 @@ class _Tensors:
             return _FloatHead(layer)
         return InvariantLinear(weight, bias_values)
 
-    def experts(self, blk: str, used: int, norm: bool) -> MoEMLP:
+    def experts(self, blk: str, used: int, norm: bool, arch: Architecture,
+                swiglu: tuple[float, float] = (0.0, 0.0)) -> MoEMLP:
         """A layer's mixture of experts (`blk`: "blk.N."): the router `ffn_gate_inp` as float32,
         and each expert's slice of `ffn_gate_exps`, `ffn_up_exps` (one module, gate then up)
         and `ffn_down_exps`, packed as any linear (shapes checked before:
-        `check_model_tensors`)."""
+        `check_model_tensors`); where `arch.expert_biases` (gpt-oss), each tensor's `.bias`
+        too, and the routing and activation `arch` declares."""
         router = self.get(blk + "ffn_gate_inp.weight")
         hidden, count = (int(size) for size in router.shape[:2])
         weights = self._dense(router, np.asarray(router.data).reshape(count, -1)).float()
         gate_up, down = [], []
-        gates, ups, downs = (self.get(f"{blk}ffn_{name}_exps.weight")
-                             for name in ("gate", "up", "down"))
+        names = [f"{blk}ffn_{name}_exps" for name in ("gate", "up", "down")]
+        gates, ups, downs = (self.get(name + ".weight") for name in names)
+        biases = ([self.floats(name + ".bias").reshape(count, -1) for name in names]
+                  if arch.expert_biases else [None] * 3)
         for expert in range(count):
-            parts = [self._expert(tensor, expert) for tensor in (gates, ups)]
+            parts = [self._expert(tensor, expert, bias)
+                     for tensor, bias in ((gates, biases[0]), (ups, biases[1]))]
             if all(isinstance(part, quant.QuantLinear) for part in parts):
                 gate_up.append(quant.fuse(parts))
             elif all(isinstance(part, InvariantLinear) for part in parts):  # one bf16 weight
-                gate_up.append(InvariantLinear(torch.cat([dense_weight(part)
-                                                          for part in parts])))
+                gate_up.append(InvariantLinear(
+                    torch.cat([dense_weight(part) for part in parts]),
+                    None if biases[0] is None else torch.cat([biases[0][expert],
+                                                              biases[1][expert]])))
             else:  # one part quantized, one in floats: each into its own outputs
                 gate_up.append(quant.QuantParts(parts))
-            down.append(self._expert(downs, expert))
+            down.append(self._expert(downs, expert, biases[2]))
         for tensor in (gates, ups, downs):
             self.release(tensor)
-        return MoEMLP(weights.contiguous(), gate_up, down, used, norm)
+        router_bias = self.floats(blk + "ffn_gate_inp.bias") if arch.expert_biases else None
+        return MoEMLP(weights.contiguous(), gate_up, down, used, norm, router_bias=router_bias,
+                      gating=arch.expert_gating, activation=arch.expert_activation,
+                      swiglu=swiglu)
 
-    def _expert(self, tensor, expert: int) -> torch.nn.Module:
-        """Expert `expert`'s slice of a 3-D expert tensor as a linear layer."""
+    def _expert(self, tensor, expert: int, bias: torch.Tensor | None = None
+                ) -> torch.nn.Module:
+        """Expert `expert`'s slice of a 3-D expert tensor as a linear layer (`bias`: every
+        expert's, [experts, outputs] float32, or None)."""
         k, n, count = (int(size) for size in tensor.shape[:3])
         raw = np.asarray(tensor.data).reshape(count, n, -1)[expert]
+        own_bias = None if bias is None else bias[expert].contiguous()
         if tensor.tensor_type in quant.LAYOUTS:
-            return quant.QuantLinear.from_blocks(tensor.tensor_type, raw, n, k)
-        return InvariantLinear(self._dense(tensor, raw).to(torch.bfloat16))
+            return quant.QuantLinear.from_blocks(tensor.tensor_type, raw, n, k, own_bias)
+        return InvariantLinear(self._dense(tensor, raw).to(torch.bfloat16), own_bias)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, outer size first (as torch lists it; GGUF lists it reversed)."""
@@ -720,10 +735,48 @@ def _float32(values: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(values.float().contiguous(), requires_grad=False)
 
 
+def gpt_oss_config(reader: GGUFFile, path: Path) -> GptOssConfig:
+    """A gpt-oss file's transformers config, read as llama.cpp reads the file
+    (`conversion/gpt_oss.py`, `src/models/openai-moe-iswa.cpp`): its sizes; every expert of
+    `expert_feed_forward_length`, `expert_used_count` of `expert_count` per token; a window of
+    `attention.sliding_window` on the even layers (llama.cpp's pattern of 2, transformers'
+    default `layer_types`); the clamped SwiGLU's alpha 1.702 and limit 7 (llama.cpp's and
+    transformers' constants: the file holds none). Its YaRN as `file_rope_parameters` reads
+    it, with the correction range not truncated: gpt-oss's own rope (transformers' and
+    OpenAI's; llama.cpp rounds the range to whole dimensions, a small difference in every
+    frequency between the two)."""
+    key = "gpt-oss.{}".format
+    hidden = metadata_size(reader, path, key("embedding_length"))
+    heads = metadata_size(reader, path, key("attention.head_count"))
+    vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+    rope = file_rope_parameters(reader, path, spec.GPT_OSS)
+    if rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+    window = metadata(reader, key("attention.sliding_window"))
+    return GptOssConfig(
+        vocab_size=vocab, hidden_size=hidden,
+        num_hidden_layers=metadata_size(reader, path, key("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=metadata_size(reader, path, key("attention.head_count_kv"), heads),
+        head_dim=metadata_size(reader, path, key("attention.key_length"), hidden // heads),
+        intermediate_size=metadata_size(reader, path, key("expert_feed_forward_length")),
+        num_local_experts=metadata_size(reader, path, key("expert_count")),
+        num_experts_per_tok=metadata_size(reader, path, key("expert_used_count")),
+        sliding_window=int(window) if window else None,
+        layer_types=None if window else ["full_attention"] * metadata_size(
+            reader, path, key("block_count")),
+        rms_norm_eps=float(metadata_number(reader, path, key("attention.layer_norm_rms_epsilon"),
+                                           1e-5)),
+        max_position_embeddings=int(metadata_number(reader, path, key("context_length"), 4096)),
+        rope_parameters=rope, attention_bias=True,
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        eos_token_id=end_of_generation(reader))
+
+
 # Architectures whose transformers config dresd reads from the metadata itself (cheap, so never
 # taken from the cache), not through transformers' GGUF mapping
 OWN_CONFIGS = {"gemma3": gemma3_config, "phi3": phi3_config, "qwen35": qwen35_config,
-               QWEN35_MOE: qwen35_config}
+               QWEN35_MOE: qwen35_config, "gpt-oss": gpt_oss_config}
 
 
 # --- rotary embedding scaling, as llama.cpp reads it ---------------------------------------
@@ -810,14 +863,18 @@ class Sizes:
 
     @classmethod
     def of_config(cls, config) -> Sizes:
-        experts = int(getattr(config, "num_experts", 0) or 0)
+        """(gpt-oss's config names its experts `num_local_experts`, their size
+        `intermediate_size`.)"""
+        experts = int(getattr(config, "num_experts", 0)
+                      or getattr(config, "num_local_experts", 0) or 0)
+        expert_ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
                    config.num_key_value_heads,
                    getattr(config, "head_dim", None)
                    or config.hidden_size // config.num_attention_heads,
                    getattr(config, "intermediate_size", None) or 0, experts,
                    int(config.num_experts_per_tok) if experts else 0,
-                   int(config.moe_intermediate_size) if experts else 0)
+                   int(expert_ffn) if experts else 0)
 
 
 def model_sizes(reader: GGUFFile, path: Path, arch: Architecture) -> Sizes:
@@ -907,11 +964,18 @@ def expected_tensors(sizes: Sizes, arch: Architecture, present: set[str]
         expected.update({blk + name + ".weight": (shape, SUPPORTED_TYPES) for name, shape in (
             *attention, ("attn_output", (hidden, q_rows)))})
         expected.update({blk + name + ".weight": (shape, types) for name, shape, types in mlp})
+        if arch.expert_biases:  # gpt-oss: the router's, each expert's gate, up and down
+            expected.update({blk + name + ".bias": (shape[:-1], NORM_TYPES)
+                             for name, shape, _ in mlp})
+        if arch.attention_sinks:  # and q, k, v and the output's biases (taken below)
+            expected[blk + "attn_sinks.weight"] = ((sizes.heads,), NORM_TYPES)
+            expected[blk + "attn_output.bias"] = ((hidden,), NORM_TYPES)
         if arch.head_norms:
             expected.update({blk + f"attn_{part}_norm.weight": ((head_dim,), NORM_TYPES)
                              for part in "qk"})
         for part, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
-            if arch.attention_biases and f"{blk}attn_{part}.bias" in present:
+            if arch.attention_biases and (f"{blk}attn_{part}.bias" in present
+                                          or arch.attention_sinks):
                 expected[f"{blk}attn_{part}.bias"] = ((rows,), NORM_TYPES)
     if ROPE_FREQS in present:  # a factor per rotated pair of dimensions
         expected[ROPE_FREQS] = ((head_dim // 2,), NORM_TYPES)
@@ -988,7 +1052,7 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
         config = own or AutoConfig.for_model(
             **load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tokenizer = file_tokenizer(path, architecture)
         except Exception as err:
             raise GGUFError(f"{path}: its tokenizer could not be read ({err}).") from err
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -1002,6 +1066,15 @@ def config_and_tokenizer(path: Path, reader: GGUFFile
         del tokenizer
     return (own or AutoConfig.from_pretrained(folder),
             with_chat_template(cached_tokenizer(folder), reader))
+
+
+def file_tokenizer(path: Path, architecture: str) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of the file's vocabulary. A gpt-oss file's by its fast tokenizer
+    class directly: AutoTokenizer reads the file's config first, and transformers (5.25) reads
+    a gpt-oss file's rope scaling from the wrong part of each field (a TypeError)."""
+    if architecture == "gpt-oss":
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def cached_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -1161,12 +1234,18 @@ def _fill_layers(model: PreTrainedModel, tensors: _Tensors, arch: Architecture) 
                                 ("v_proj", "v", None))]
         for part, name, rows, bias in projections:
             setattr(attn, part, tensors.linear(f"{blk}{name}.weight", rows, bias))
-        attn.o_proj = tensors.linear(blk + "attn_output.weight")
+        attn.o_proj = tensors.linear(blk + "attn_output.weight", bias=blk + "attn_output.bias"
+                                     if arch.attention_sinks else None)
+        if arch.attention_sinks:  # gpt-oss: a logit per head, float32 as the C kernel reads it
+            attn.sinks = _float32(tensors.floats(blk + "attn_sinks.weight"))
         if arch.head_norms:  # per-head q and k norms, before the rope
             attn.q_norm.weight = _norm(tensors, blk + "attn_q_norm.weight", head_dim, offset)
             attn.k_norm.weight = _norm(tensors, blk + "attn_k_norm.weight", head_dim, offset)
         if arch.moe:
-            layer.mlp = tensors.experts(blk, config.num_experts_per_tok, config.norm_topk_prob)
+            layer.mlp = tensors.experts(blk, config.num_experts_per_tok,
+                                        getattr(config, "norm_topk_prob", True), arch,
+                                        (getattr(config, "swiglu_alpha", 0.0),
+                                         getattr(config, "swiglu_limit", 0.0)))
         elif arch.fused_projections:  # gate, then up: the rows of one tensor
             inter = config.intermediate_size
             layer.mlp.gate_proj = tensors.linear(blk + "ffn_up.weight", np.arange(inter))

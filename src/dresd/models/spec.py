@@ -47,6 +47,12 @@ class Architecture:
     embedding_scale: bool = False  # embedded rows times sqrt(hidden size) (Gemma)
     experts: str = ""  # "": a dense MLP; "routed": top-k experts; "routed+shared": and a
     #                    shared expert scaled by sigmoid(x . w) (Qwen3.5-MoE)
+    expert_gating: str = "softmax"  # softmax then the top k; "top_k_softmax": the top k
+    #                                 logits, then their softmax (gpt-oss)
+    expert_activation: str = SILU  # each expert's; "swiglu_clamped": gpt-oss's
+    expert_biases: bool = False  # biases on the router and every expert's projections
+    attention_sinks: bool = False  # a learned logit per head in the softmax, and a bias on
+    #                                the attention's output projection (gpt-oss)
     recurrent_layers: bool = False  # Gated DeltaNet layers beside full attention (Qwen3.5)
     # True where LlamaForward's PyTorch path computes these layers too (where the C decoder
     # does not build: no compiler, float32); False: the C decoder, else transformers' forward
@@ -59,6 +65,7 @@ class Architecture:
     # q, k and v stored one after another in `attn_qkv`, gate then up in `ffn_up` (Phi-3):
     # split by rows when the file is read, as transformers' Phi3 modules split their outputs
     fused_projections: bool = False
+    mlp_norm: str = "ffn_norm"  # the norm before the MLP (gpt-oss's file: post_attention_norm)
 
     @property
     def layer_norms(self) -> tuple[tuple[str, str], ...]:
@@ -68,7 +75,7 @@ class Architecture:
             return (("attn_norm", "input_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
                     ("post_attention_norm", "post_attention_layernorm"),
                     ("post_ffw_norm", "post_feedforward_layernorm"))
-        return ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")
+        return ("attn_norm", "input_layernorm"), (self.mlp_norm, "post_attention_layernorm")
 
     @property
     def moe(self) -> bool:
@@ -94,6 +101,13 @@ GEMMA3 = Architecture("gemma3", ("gemma3_text",), activation=GELU_TANH, norm_plu
 # folder (`models/phi3.as_mistral`) are read into transformers' Mistral model and run as one
 # (hence no model type here).
 PHI3 = Architecture("phi3", (), attention_biases=False, fused_projections=True)
+# gpt-oss (20b, 120b): every layer's MLP its experts (the router and the experts biased, the
+# top 4 logits then their softmax, a clamped SwiGLU), attention with biases, a sink per head,
+# a window on every other layer, YaRN; run on the C decoder only (`kernels/experts.py`)
+GPT_OSS = Architecture("gpt-oss", ("gpt_oss",), sliding_windows=True, experts="routed",
+                       expert_gating="top_k_softmax", expert_activation="swiglu_clamped",
+                       expert_biases=True, attention_sinks=True, pytorch_layers=False,
+                       rope_scaling=("yarn",), mlp_norm="post_attention_norm")
 QWEN35 = Architecture("qwen35", ("qwen3_5_text",), forward=RECURRENT, norm_plus_one=True,
                       head_norms=True, recurrent_layers=True, stored_plus_one=True)
 QWEN35_MOE = Architecture("qwen35moe", ("qwen3_5_moe_text",), forward=RECURRENT,
@@ -101,7 +115,7 @@ QWEN35_MOE = Architecture("qwen35moe", ("qwen3_5_moe_text",), forward=RECURRENT,
                           experts="routed+shared", stored_plus_one=True)
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, PHI3,
-                                           QWEN35, QWEN35_MOE)
+                                           GPT_OSS, QWEN35, QWEN35_MOE)
 BY_GGUF = {spec.gguf: spec for spec in ARCHITECTURES}
 BY_MODEL_TYPE = {model_type: spec for spec in ARCHITECTURES for model_type in spec.model_types}
 GGUF_NAMES = tuple(BY_GGUF)  # for messages: the GGUF architectures dresd runs
