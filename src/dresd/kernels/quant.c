@@ -7,12 +7,13 @@
  * where, as llama.cpp does for these types, each row of x is quantized on the fly to 8-bit
  * blocks of 32 (x[m, k] ~ dx[m, b] * xq[m, k], dx = max|x| / 127 in the block, xq = round(x /
  * dx), sx = sum of the block's xq), and a weight is w[n, k] = d[n, b] * q[n, k] + c[n, b]:
- *   - a type with an offset (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q as stored + 128): c = -offset d;
+ *   - a type with an offset (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q as stored + 128; MXFP4:
+ *     q - 12, q = 2v + 12 for the E2M1 value v): c = -offset d;
  *   - a type with a minimum (Q4_1, Q5_1, and the K-quants' sub-blocks): c = m;
  *   - Q6_K, whose scales change every 16 k: d and c per half block, each half summed apart.
  * q is stored unsigned (0..15 in nibbles; 0..31 or 0..63 in nibbles and planes of high bits;
- * 0..255 in bytes), so one `vpdpbusd` multiplies four weights by four activations and adds them
- * exactly into a 32-bit integer:
+ * 0..255 in bytes; MXFP4: 0..24, looked up from the nibble's E2M1 code), so one `vpdpbusd`
+ * multiplies four weights by four activations and adds them exactly into a 32-bit integer:
  *   dot[m, n, b] = sum_k q[n, k] xq[m, k]      (exact: |dot| < 2^24)
  *
  * The promise, as cpu_linear.c's: y[m, n] depends only on row m of x and on W; not on how many
@@ -41,8 +42,21 @@
  *                    block, as the file's qs and qh; bytes would take 32);
  *           six bits (Q6_K): the nibbles' 4 x 64 bytes of q & 15, then 2 x 64 bytes of q >> 4,
  *                    register P, lane n, byte j, bits 2t, 2t + 1: q[n][32b + 4(4P + t) + j] >> 4;
- *   d       16 scales (float16, as the file keeps them);
+ *   d       16 scales (float16, as the file keeps them; MXFP4: 16 E8M0 bytes, as the file's);
  *   c       16 minimums (float16; types with a minimum only).
+ * MXFP4 (gpt-oss's experts; ggml type 39): a block is an E8M0 byte e and 16 bytes of 4-bit
+ * E2M1 codes (low nibble k = j, high k = j + 16, as Q4_0's), w = kvalues[code] 2^(e - 128)
+ * with kvalues = 2 x E2M1 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12} (ggml's
+ * kvalues_mxfp4). Packed as the nibbles layout with the codes themselves (256 bytes a panel)
+ * and the file's e bytes (16): 272 bytes a panel a block, the file's 17 a row. The kernel
+ * makes q = kvalues[code] + 12 (0..24) with a 16-byte table lookup (vpshufb, tbl) and
+ * d = 2^(e - 128) as the float32 whose bits are (e + 1) << 23, 2^(e - 126), times 2^-2 (vec.h
+ * vf_load_e8m0_half): exact, the subnormals 2^-128 and 2^-127 of e = 0 and 1 included (no tier
+ * flushes them: FTZ and DAZ are off, and every product below of a subnormal d is exact);
+ * c = -12 d. So w = d q + c is the file's value, as ggml's ggml_e8m0_to_fp32_half gives it.
+ * The products d dot and c sx are float32 (|dot| < 2^17): they can overflow where e > 238
+ * (weights of 2^110 and more, far beyond any model's), and e = 254, 255 (255: NaN in E8M0)
+ * read as inf and -0, where ggml reads 2^126 and 2^127.
  * K-quants keep their scales as the file does, as small integers under a float16 scale per 256
  * k (d[n, b] = dsuper[n] * scale[n, b], exact in float32): per group, per superblock of 8
  * blocks, first each panel's header (16 float16 dsuper; Q4_K, Q5_K: then 16 float16 dmin and
@@ -82,12 +96,17 @@ typedef struct {
     int kquant;      /* 1: superblock headers and integer scales (see the header) */
     int six;         /* 1: nibbles and two planes of 2-bit high parts (Q6_K) */
     int five;        /* 1: nibbles and a plane of each weight's bit 4 (Q5_0, Q5_1, Q5_K) */
+    int e2m1;        /* 1: nibbles of E2M1 codes (q = E2M1_Q[code]), d an E8M0 byte (MXFP4) */
 } QLayout;
+
+/* MXFP4: q = 2v + 12 for each E2M1 code's value v (ggml's kvalues_mxfp4 + 12; offset 12). */
+static const uint8_t E2M1_Q[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 static inline int64_t quant_bytes(QLayout l) {
     return l.six ? 384 : l.five ? 320 : l.nibbles ? 256 : 512;
 }
 static inline int64_t scale_bytes(QLayout l) {
+    if (l.e2m1) return 16;  /* the file's E8M0 bytes */
     if (l.kquant) return l.has_min ? 0 : 32;  /* Q4_K, Q5_K: in the header */
     return (l.half ? 32 : 64) * (l.has_min ? 2 : 1) * (l.halves ? 2 : 1);
 }
@@ -205,6 +224,10 @@ static inline __attribute__((always_inline)) void load_panel(
             w[2 * r] = vi_and(packed, low_nibbles);
             w[2 * r + 1] = vi_and(vi_srli16(packed, 4), low_nibbles);
         }
+        if (l.e2m1) { /* E2M1 codes -> q = 2v + 12 */
+            const vi table = vi_table16(E2M1_Q);
+            for (int r = 0; r < 8; r++) w[r] = vi_lookup16(table, w[r]);
+        }
         if (l.six) { /* bits 4 and 5 of register r from the plane: a byte's bits 2t, 2t + 1 */
             const vi two_bits = vi_set1_8(0x03);
             for (int plane = 0; plane < 2; plane++) {
@@ -240,6 +263,11 @@ static inline __attribute__((always_inline)) void load_panel(
             *d2 = vf_mul(dsuper, vf_load_u8(scales + 16 + lane0, 1));
             *c2 = vf_mul(*d2, vf_set1((float)-l.offset));
         }
+        return;
+    }
+    if (l.e2m1) {  /* a byte a lane: d = 2^(e - 128), exact (subnormal for e < 2) */
+        *d = vf_load_e8m0_half(scales + lane0);
+        *c = vf_mul(*d, vf_set1((float)-l.offset));
         return;
     }
     const int size = l.half ? 2 : 4;  /* bytes of one lane's scale */
@@ -370,6 +398,8 @@ static const QLayout LAYOUTS[] = {
     {.nibbles = 1, .five = 1, .half = 1, .has_min = 1, .kquant = 1},
     /* 7: Q6_K  six bits (0..63), dsuper, int8 scales per 16, q - 32 */
     {.nibbles = 1, .six = 1, .half = 1, .offset = 32, .halves = 1, .kquant = 1},
+    /* 8: MXFP4  nibbles of E2M1 codes (q 0..24 by table), E8M0 byte d, q - 12 */
+    {.nibbles = 1, .e2m1 = 1, .offset = 12},
 };
 
 /* Every (layout, rows) pair its own function, compiled apart: inlined together into one
@@ -383,13 +413,15 @@ static const QLayout LAYOUTS[] = {
 #define QTILE_FNS(L) QTILE_FN(L, 1) QTILE_FN(L, 2) QTILE_FN(L, 3) QTILE_FN(L, 4)
 QTILE_FNS(0) QTILE_FNS(1) QTILE_FNS(2) QTILE_FNS(3)
 QTILE_FNS(4) QTILE_FNS(5) QTILE_FNS(6) QTILE_FNS(7)
+QTILE_FNS(8)
 
 typedef void (*QTileFn)(const int8_t *, const float *, const int32_t *, int, const uint8_t *,
                         const float *, void *, int64_t, int, int);
 #define QTILE_ROW(L) {qtile_##L##_1, qtile_##L##_2, qtile_##L##_3, qtile_##L##_4}
 /* QTILES[layout][rows - 1] */
-static const QTileFn QTILES[8][QMAX_TILE] = {QTILE_ROW(0), QTILE_ROW(1), QTILE_ROW(2), QTILE_ROW(3),
-                                     QTILE_ROW(4), QTILE_ROW(5), QTILE_ROW(6), QTILE_ROW(7)};
+static const QTileFn QTILES[][QMAX_TILE] = {QTILE_ROW(0), QTILE_ROW(1), QTILE_ROW(2), QTILE_ROW(3),
+                                     QTILE_ROW(4), QTILE_ROW(5), QTILE_ROW(6), QTILE_ROW(7),
+                                     QTILE_ROW(8)};
 
 /* Bytes of one group of `layout` over k inputs (exported: quant.py's Layout.group_bytes must
  * agree, since `dresd_quant_pack` fills a buffer of that size, and benchmarks/micro/quant_ab.py
@@ -460,17 +492,19 @@ int dresd_quant_linear(int layout, const uint16_t *x, int64_t x_stride, int rows
  *   Q5_0 d, qh[4], qs[16]   Q5_1 d, m, qh[4], qs[16]
  *   Q4_K d, dmin, scales[12], qs[128]    Q5_K d, dmin, scales[12], qh[32], qs[128]
  *   Q6_K ql[128], qh[64], scales[16] (int8), d
- * where a byte of qs holds element j in its low nibble and j + 16 (Q4_K: + 32) in its high. */
+ *   MXFP4 e (E8M0), qs[16] (E2M1 codes)
+ * where a byte of qs holds element j in its low nibble and j + 16 (Q4_K: + 32) in its high.
+ * MXFP4's q here is the code (packed as it is, looked up in the kernel), its d the e byte. */
 typedef struct {
     uint8_t *q;        /* [k] */
-    uint16_t *d, *c;   /* [k / 32] float16 bits (not K-quants) */
+    uint16_t *d, *c;   /* [k / 32] float16 bits (not K-quants; MXFP4's d: the e byte) */
     uint16_t *dsuper, *dmin;  /* [k / 256] float16 bits (K-quants) */
     uint8_t *scales;   /* [k / 32][2] (Q6_K) */
     uint8_t *k_bytes;  /* [k / 256][12] the file's scales and minimums (Q4_K, Q5_K) */
 } DecodedRow;
 
 /* Bytes of one GGUF block of each layout (32 k; K-quants: 256 k), by layout number. */
-static const int GGUF_BLOCK_BYTES[] = {18, 20, 34, 22, 24, 144, 176, 210};
+static const int GGUF_BLOCK_BYTES[] = {18, 20, 34, 22, 24, 144, 176, 210, 17};
 static inline int gguf_block_k(int layout) { return LAYOUTS[layout].kquant ? 256 : 32; }
 
 static inline uint16_t half_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
@@ -518,6 +552,10 @@ static void decode_row(int layout, const uint8_t *raw, int k, DecodedRow r) {
             r.dmin[b] = half_at(x + 2);
             break;
         }
+        case 8:  /* MXFP4: the codes as they are, e as d */
+            for (int j = 0; j < 16; j++) { q[j] = x[1 + j] & 15; q[j + 16] = x[1 + j] >> 4; }
+            r.d[b] = x[0];
+            break;
         default: {  /* Q6_K: element 128h + 32i + l: a nibble of ql, two bits of qh */
             const uint8_t *ql = x, *qh = x + 128;
             for (int h = 0; h < 2; h++)
@@ -561,6 +599,10 @@ static void place_block(QLayout l, const DecodedRow *r, int b, int lane, uint8_t
         for (int reg = 0; reg < 8; reg++) memcpy(block + 64 * reg + 4 * lane, q + 4 * reg, 4);
     }
     uint8_t *scales = block + quant_bytes(l);
+    if (l.e2m1) {  /* MXFP4: the e byte */
+        scales[lane] = (uint8_t)r->d[b];
+        return;
+    }
     if (l.kquant) {
         if (!l.has_min) {  /* Q6_K (Q4_K and Q5_K's are in the header) */
             scales[lane] = r->scales[2 * b];

@@ -7,7 +7,8 @@ block. `unpack` reads a tensor's blocks into the form every supported type share
 
 and `pack` lays that out once for the kernel (`quant.c`'s header), panel by panel. The weights
 stay quantized: a Q4_1 layer keeps its 20 bytes per 32 weights, a Q5_0 layer its 22 (nibbles
-and a plane of fifth bits), a Q8_0 layer its 34.
+and a plane of fifth bits), a Q8_0 layer its 34, an MXFP4 layer (gpt-oss's experts) its 17 (the
+E2M1 codes as nibbles, looked up in the kernel, and the E8M0 scale byte).
 
 `quant.c` multiplies by quantizing each row of activations to 8 bits per block of 32 (as
 llama.cpp does) and summing in a fixed order, so a row's output never depends on the rows
@@ -53,6 +54,7 @@ class Layout:
     kquant: bool = False  # superblock headers and integer scales (K-quants)
     six: bool = False  # nibbles and two planes of 2-bit high parts (Q6_K)
     five: bool = False  # nibbles and a plane of each weight's bit 4 (Q5_0, Q5_1, Q5_K)
+    e2m1: bool = False  # nibbles of E2M1 codes (q = E2M1_Q[code]), d an E8M0 byte (MXFP4)
 
     def quant_bytes(self) -> int:
         return 384 if self.six else 320 if self.five else 256 if self.nibbles else 512
@@ -62,6 +64,8 @@ class Layout:
         theirs in the header)."""
         if self.kquant:
             return self.quant_bytes() + (0 if self.has_min else 32)
+        if self.e2m1:  # the file's E8M0 bytes, one a lane
+            return self.quant_bytes() + LANES
         scales = (32 if self.half else 64) * (2 if self.has_min else 1) * (2 if self.halves else 1)
         return self.quant_bytes() + scales
 
@@ -89,7 +93,12 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q5_K: Layout(6, nibbles=True, half=True, has_min=True, kquant=True, five=True),
     Q.Q6_K: Layout(7, nibbles=True, half=True, has_min=False, offset=32, halves=True,
                    kquant=True, six=True),
+    Q.MXFP4: Layout(8, nibbles=True, half=False, has_min=False, offset=12, e2m1=True),
 }
+
+# MXFP4: q = 2v + 12 for each E2M1 code's value v (ggml's kvalues_mxfp4, which are 2v, + 12),
+# so that w = d * (q - 12) with d = 2^(e - 128) (quant.c's E2M1_Q).
+E2M1_Q = np.array([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], np.uint8)
 
 
 @functools.cache
@@ -143,14 +152,34 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 2^(e - 128), half the E8M0 value, exactly: bits (e - 1) << 23 for
+    e >= 2, the subnormals 2^-128 and 2^-127 for e = 0, 1 (ggml's ggml_e8m0_to_fp32_half)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << np.minimum(e, 2),
+                    (np.maximum(e, 1) - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def unpack_mxfp4(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 blocks as the file keeps them: (codes uint8 [n, k], each an E2M1 code 0..15; e
+    uint8 [n, k / 32], each block's E8M0 byte). A block is e, then 16 bytes whose low nibbles
+    are k 0..15 and high 16..31 (gguf's MXFP4, ggml's block_mxfp4)."""
+    blocks = raw.reshape(n, k // BLOCK, 1 + BLOCK // 2)
+    return _nibbles(blocks[..., 1:]).reshape(n, k), blocks[..., 0]
+
+
 def unpack(qtype: Q, raw: np.ndarray, n: int, k: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A tensor's raw blocks (uint8 [n, bytes per row]) -> (q uint8 [n, k], d [n, k / 32],
     c [n, k / 32] or None), with w = d * q + c (c None: c = -offset * d, the layout's offset).
-    d and c are float16 where the file keeps them so, else float32 (K-quants: d * scale);
-    Q6_K's d is per 16 k: [n, k / 16]."""
+    d and c are float16 where the file keeps them so, else float32 (K-quants: d * scale;
+    MXFP4: 2^(e - 128), its q = 2v + 12 for the E2M1 value v); Q6_K's d is per 16 k: [n, k / 16]."""
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(n, k // block, size)
+    if qtype == Q.MXFP4:
+        codes, e = unpack_mxfp4(raw, n, k)
+        return E2M1_Q[codes], _e8m0_half(e), None
     if qtype == Q.Q4_0:
         return _nibbles(blocks[..., 2:]).reshape(n, k), _half(blocks[..., 0:2]), None
     if qtype == Q.Q4_1:
@@ -236,6 +265,8 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     layout = LAYOUTS[qtype]
     if layout.kquant:
         q, d, dmin, scales = unpack_k(qtype, raw, n, k)
+    elif layout.e2m1:  # the codes as nibbles (the kernel looks q up), the e bytes as d
+        (q, d), c = unpack_mxfp4(raw, n, k), None
     else:
         q, d, c = unpack(qtype, raw, n, k)
     groups, blocks = -(-n // GROUP), k // BLOCK
@@ -285,7 +316,7 @@ def pack(qtype: Q, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
         packed = np.concatenate([header.reshape(groups, supers, -1),
                                  per_block.reshape(groups, supers, -1)], axis=2)
         return torch.from_numpy(np.ascontiguousarray(packed).reshape(-1))
-    scale_type = np.float16 if layout.half else np.float32
+    scale_type = np.uint8 if layout.e2m1 else np.float16 if layout.half else np.float32
     parts = [quants, _by_panel(pad(d).astype(scale_type), panels)]
     if layout.has_min:
         parts.append(_by_panel(pad(c).astype(scale_type), panels))

@@ -72,6 +72,26 @@ static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
         return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(raw)))));
     return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(raw))));
 }
+/* VLANES E8M0 bytes e -> 2^(e - 128), half the E8M0 value (ggml's ggml_e8m0_to_fp32_half),
+ * as 2^(e - 126), the float32 whose bits are (e + 1) << 23, times 2^-2: exact for e <= 253,
+ * the subnormals 2^-128 and 2^-127 of e = 0, 1 included (a power of two times 2^-2 is exact
+ * down to 2^-149). e = 254 gives inf and 255 -0 (ggml: 2^126, 2^127): quant.c's products
+ * overflow from e = 239 in any case (its header). */
+static inline vf vf_load_e8m0_half(const uint8_t *from) {
+    uint32_t four;
+    memcpy(&four, from, sizeof four);
+    uint32x4_t e = vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8((uint64_t)four))));
+    uint32x4_t bits = vshlq_n_u32(vaddq_u32(e, vdupq_n_u32(1)), 23);
+    return vmulq_f32(vreinterpretq_f32_u32(bits), vdupq_n_f32(0.25f));
+}
+/* a 16-byte table in every 16 bytes of a register, and each byte's entry (index 0..15) */
+static inline vi vi_table16(const uint8_t table[16]) {
+    return vreinterpretq_s32_u8(vld1q_u8(table));
+}
+static inline vi vi_lookup16(vi table, vi index) {
+    return vreinterpretq_s32_u8(vqtbl1q_u8(vreinterpretq_u8_s32(table),
+                                           vreinterpretq_u8_s32(index)));
+}
 static inline vf vf_load_bf16(const uint16_t *from) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(from), 16));
 }
@@ -151,6 +171,17 @@ static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
     __m128i raw = _mm_loadu_si128((const __m128i *)from);
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw));
 }
+/* VLANES E8M0 bytes e -> 2^(e - 128), exact for e <= 253 (as the NEON helper's comment says) */
+static inline vf vf_load_e8m0_half(const uint8_t *from) {
+    __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)from));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(1)), 23);
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.25f));
+}
+/* a 16-byte table in every 16 bytes of a register, and each byte's entry (index 0..15) */
+static inline vi vi_table16(const uint8_t table[16]) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+}
+static inline vi vi_lookup16(vi table, vi index) { return _mm512_shuffle_epi8(table, index); }
 static inline vf vf_load_bf16(const uint16_t *from) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)from)), 16));
@@ -225,6 +256,17 @@ static inline vf vf_load_u8(const uint8_t *from, int is_signed) {
     __m128i raw = _mm_loadl_epi64((const __m128i *)from);
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
 }
+/* VLANES E8M0 bytes e -> 2^(e - 128), exact for e <= 253 (as the NEON helper's comment says) */
+static inline vf vf_load_e8m0_half(const uint8_t *from) {
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)from));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(1)), 23);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.25f));
+}
+/* a 16-byte table in every 16 bytes of a register, and each byte's entry (index 0..15) */
+static inline vi vi_table16(const uint8_t table[16]) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
+}
+static inline vi vi_lookup16(vi table, vi index) { return _mm256_shuffle_epi8(table, index); }
 static inline vf vf_load_bf16(const uint16_t *from) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)from)), 16));
