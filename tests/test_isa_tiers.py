@@ -119,6 +119,16 @@ for qtype in quant.LAYOUTS:
     for dtype in (torch.float32, torch.bfloat16):
         y = quant.linear(x, qtype, quant.pack(qtype, raw, n, k), n, bias, dtype)
         digest.update(y.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy())
+# MXFP4 beyond what gguf's quantizer gives: every code, exponents 0..200 (every third row's
+# all 0 or 1: subnormal scales), packed in C
+raw = rng.integers(0, 256, (72, 512 // 32, 17), dtype=np.uint8)
+raw[..., 0] = rng.integers(0, 201, raw.shape[:2])
+raw[::3, :, 0] %= 2
+raw = raw.reshape(72, -1)
+x = (torch.from_numpy(rng.standard_normal((5, 512))) * 4).to(torch.bfloat16)
+packed = quant.pack_blocks(gguf.GGMLQuantizationType.MXFP4, raw, 72, 512)
+y = quant.linear(x, gguf.GGMLQuantizationType.MXFP4, packed, 72, None, torch.float32)
+digest.update(y.view(torch.int32).numpy())
 print(kernels.tier().name, digest.hexdigest())
 """
 
