@@ -195,8 +195,10 @@ def test_scaled_transformers_folder_runs_on_the_c_decoder(models, name, tmp_path
     """A folder with rope scaling: the batched forward on the C decoder (no more fallback to
     transformers' unbatched forward), its logits the bits of transformers' own bf16 forward
     (cos and sin from the model's rotary embedding, attention_scaling included: YaRN's is
-    1.14 here)."""
-    target = load_target(str(save_transformers_folder(models[name], tmp_path / name)))
+    1.14 here). In bf16, as `--dtype auto` loads it where the CPU multiplies bf16 natively
+    (elsewhere auto is float32, which runs on PyTorch's linears)."""
+    target = load_target(str(save_transformers_folder(models[name], tmp_path / name)),
+                         dtype="bfloat16")
     forward = make_forward(target.model)
     assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
     ids = np.random.default_rng(2).integers(0, VOCAB, 70).tolist()
