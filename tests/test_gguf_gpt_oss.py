@@ -103,16 +103,23 @@ def target(path):
     return load_target(str(path))
 
 
-@pytest.fixture(scope="module")
-def q8_model():
-    """The same shape with its experts in Q8_0 (the reference holds the file's values)."""
-    return gpt_oss_model(seed=2, expert_type=Q.Q8_0)
+# The same shape with its experts in Q8_0 and in MXFP4, gpt-oss's own (the reference holds the
+# file's values)
+QUANTIZED_EXPERTS = {"q8": Q.Q8_0, "mxfp4": Q.MXFP4}
 
 
 @pytest.fixture(scope="module")
-def q8_target(q8_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt_oss_q8") / "g-q8.gguf"
-    return load_target(str(convert_gpt_oss_like_llama_cpp(q8_model, path, Q.Q8_0)))
+def quantized_models() -> dict:
+    return {name: gpt_oss_model(seed=2, expert_type=qtype)
+            for name, qtype in QUANTIZED_EXPERTS.items()}
+
+
+@pytest.fixture(scope="module")
+def quantized_targets(quantized_models, tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("gpt_oss_quantized")
+    return {name: load_target(str(convert_gpt_oss_like_llama_cpp(
+        quantized_models[name], folder / f"{name}.gguf", qtype)))
+        for name, qtype in QUANTIZED_EXPERTS.items()}
 
 
 def test_gpt_oss_file_runs_on_the_c_decoder_as_its_config_says(target, path):
@@ -143,9 +150,14 @@ def test_gpt_oss_file_matches_transformers_float32(target, model, prompt_seed):
     check_against_reference(target, model, prompt_seed)
 
 
-def test_gpt_oss_q8_experts_match_their_reference(q8_target, q8_model):
-    """Experts in Q8_0 (activations quantized to 8 bits per block, as llama.cpp does)."""
-    check_against_reference(q8_target, q8_model, 0)
+@pytest.mark.parametrize("name", list(QUANTIZED_EXPERTS))
+def test_gpt_oss_quantized_experts_match_their_reference(quantized_targets, quantized_models,
+                                                         name):
+    """Experts in Q8_0 or MXFP4 (activations quantized to 8 bits per block, as llama.cpp
+    does), each expert's blocks run as the file stores them."""
+    mlp = quantized_targets[name].model.model.layers[0].mlp
+    assert mlp.down[0].qtype == QUANTIZED_EXPERTS[name]
+    check_against_reference(quantized_targets[name], quantized_models[name], 0)
 
 
 @pytest.mark.parametrize("mutation", ["no sinks", "truncated yarn"])
@@ -218,12 +230,12 @@ def _reference_experts(mlp: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("which", ["bf16", "q8"])
-def test_gpt_oss_experts_compute_gpt_oss_mlp_rows_as_alone(which, target, q8_target):
+@pytest.mark.parametrize("which", ["bf16", *QUANTIZED_EXPERTS])
+def test_gpt_oss_experts_compute_gpt_oss_mlp_rows_as_alone(which, target, quantized_targets):
     """A row's experts' output has the bits it has alone among 2 to 40 rows that reach other
     experts, with 1 thread or 2; and it is gpt-oss's MLP (within bf16 rounding), rows large
     enough that the clamp is reached."""
-    mlp = (target if which == "bf16" else q8_target).model.model.layers[1].mlp
+    mlp = (target if which == "bf16" else quantized_targets[which]).model.model.layers[1].mlp
     x = (8 * torch.randn(40, mlp.hidden, generator=torch.Generator().manual_seed(1))).bfloat16()
     alone = torch.cat([mlp(x[i:i + 1]) for i in range(len(x))])
     threads = torch.get_num_threads()
@@ -240,10 +252,10 @@ def test_gpt_oss_experts_compute_gpt_oss_mlp_rows_as_alone(which, target, q8_tar
     assert bool((gate_up.abs() > mlp.swiglu[1]).any())
 
 
-@pytest.mark.parametrize("which", ["bf16", "q8"])
+@pytest.mark.parametrize("which", ["bf16", "mxfp4"])
 def test_gpt_oss_every_method_is_plain_decoding_and_batched_is_alone(which, target,
-                                                                      q8_target):
-    target = target if which == "bf16" else q8_target
+                                                                      quantized_targets):
+    target = target if which == "bf16" else quantized_targets[which]
     check_every_method_and_batching(target.model, random_and_repeating_prompts(), [0, 0, 2, 5],
                                     8)
 
