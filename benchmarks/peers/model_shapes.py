@@ -22,6 +22,11 @@
   does not depend on them) over an original context of 4,096 in 131,072; no window.
 - `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shape (128 experts of 768, 8 used, the router in F32)
   for `--layers` of its 48 layers (each layer is ~1.2 GB in F16, ~0.3 GB in Q4_K_M).
+- `gpt-oss-20b`: gpt-oss-20b's (24 layers, 64 query and 8 key-value heads of 64, a window of
+  128 on every other layer, 32 experts of 2880, 4 used, 201,088 tokens, its own output head,
+  YaRN: factor 32 over an original context of 4,096), with the biases, sinks and router bias
+  llama.cpp's converter writes (F32), for `--layers` of them (each ~1.6 GB in F16, ~0.42 GB
+  with llama-quantize's MXFP4_MOE: its experts in MXFP4, the rest Q8_0).
 
 Every file has its model's whole vocabulary: the default model's tokenizer (49,152 tokens)
 padded with `[PAD<i>]` tokens of type UNUSED, as llama.cpp's converter pads Qwen's, so that
@@ -90,6 +95,8 @@ CONFIGS = {
                          turned=96, longrope=True),
     "qwen3-30b-a3b": Config("qwen3moe", 2048, 6144, 32, 4, 128, 48, 151936, 1_000_000.0,
                             tied=False, experts=128, experts_used=8, expert_ffn=768),
+    "gpt-oss-20b": Config("gpt-oss", 2880, 2880, 64, 8, 64, 24, 201088, 150000.0, 1e-5,
+                          tied=False, window=128, experts=32, experts_used=4, expert_ffn=2880),
 }
 
 
@@ -124,7 +131,7 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     # (llama.cpp looks for Phi-3's </s>, <s> and <unk> in a file whose name says "phi3")
     writer.add_name("random shape" if c.arch == "phi3" else f"random {c.arch} shape")
     writer.add_block_count(c.layers)
-    context = 131072 if c.llama3_rope or c.longrope else 32768
+    context = 131072 if c.llama3_rope or c.longrope or c.arch == "gpt-oss" else 32768
     writer.add_context_length(context)
     writer.add_embedding_length(c.hidden)
     writer.add_feed_forward_length(c.intermediate)
@@ -162,6 +169,12 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
         writer.add_full_attention_interval(c.full_every)
         writer.add_rope_dimension_count(c.head_dim // 4)
         writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if c.arch == "gpt-oss":  # YaRN, as the converter writes gpt-oss-20b's
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        writer.add_rope_scaling_yarn_beta_fast(32.0)
+        writer.add_rope_scaling_yarn_beta_slow(1.0)
     if c.experts:
         writer.add_expert_count(c.experts)
         writer.add_expert_used_count(c.experts_used)
@@ -180,7 +193,10 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
             add_qwen35_mixer(writer, c, blk, linear_layers[i], weights, norm, rng)
             add_mlp(writer, c, blk, weights)
             continue
-        norm(blk + "ffn_norm.weight", c.hidden)
+        norm(blk + ("post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight"),
+             c.hidden)
+        if c.arch == "gpt-oss":
+            add_gpt_oss_biases(writer, c, blk, rng)
         if c.arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(blk + "attn_q_norm.weight", c.head_dim)
             norm(blk + "attn_k_norm.weight", c.head_dim)
@@ -213,6 +229,24 @@ def write_file(config: Config, path: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file(progress=True)
     writer.close()
     return path
+
+
+def add_gpt_oss_biases(writer: gguf.GGUFWriter, c: Config, blk: str,
+                       rng: np.random.Generator) -> None:
+    """A gpt-oss layer's float32 tensors beside its weights: q, k, v and output biases, a sink
+    per head, the router's bias, each expert's gate, up and down biases."""
+    def small(name: str, *shape: int) -> None:
+        writer.add_tensor(blk + name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+
+    q_size, kv_size = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    for name, size in (("attn_q", q_size), ("attn_k", kv_size), ("attn_v", kv_size),
+                       ("attn_output", c.hidden)):
+        small(name + ".bias", size)
+    small("attn_sinks.weight", c.heads)
+    small("ffn_gate_inp.bias", c.experts)
+    small("ffn_gate_exps.bias", c.experts, c.expert_ffn)
+    small("ffn_up_exps.bias", c.experts, c.expert_ffn)
+    small("ffn_down_exps.bias", c.experts, c.hidden)
 
 
 def add_mlp(writer: gguf.GGUFWriter, c: Config, blk: str, weights) -> None:
