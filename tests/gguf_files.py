@@ -385,6 +385,21 @@ def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int 
                                                    rope_parameters=rope))
     else:
         model = LlamaForCausalLM(LlamaConfig(**HF_SHAPE, rope_parameters=rope))
+
+    def stored(name: str, value: torch.Tensor) -> torch.Tensor:
+        if expert_type is None or ".experts." not in name:
+            return value
+        return torch.from_numpy(as_stored(expert_type, value.reshape(
+            -1, value.shape[-1]).numpy()).reshape(value.shape))
+
+    return randomized(model, seed, stored)
+
+
+def randomized(model, seed: int, stored=None):
+    """`model` with every weight random and a bf16 value (norms 1 + 0.1 noise, the token
+    embedding noise, the LM head 0.3 noise, the rest 0.08 noise), large enough that its next
+    tokens are rarely near-ties; `stored(name, value)`: the value as a file holds it (quantized
+    experts)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -395,10 +410,7 @@ def transformers_model(arch: str = "llama", rope: dict | None = None, seed: int 
                 value = noise * {"model.embed_tokens.weight": 1.0,
                                  "lm_head.weight": 0.3}.get(name, 0.08)
             value = value.to(torch.bfloat16).float()
-            if expert_type is not None and ".experts." in name:
-                value = torch.from_numpy(as_stored(expert_type, value.reshape(
-                    -1, value.shape[-1]).numpy()).reshape(value.shape))
-            parameter.copy_(value)
+            parameter.copy_(stored(name, value) if stored else value)
     return model.eval()
 
 
@@ -848,23 +860,14 @@ def gpt_oss_model(seed: int = 0, expert_type: Q | None = None):
     rows run)."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                value = 1.0 + 0.1 * noise
-            else:
-                value = noise * {"model.embed_tokens.weight": 1.0,
-                                 "lm_head.weight": 0.3}.get(name, 0.08)
-            value = value.to(torch.bfloat16).float()
-            if expert_type is not None and name.endswith(("gate_up_proj", "down_proj")):
-                rows = value.transpose(1, 2)  # [experts, outputs, inputs]
-                stored = as_stored(expert_type, rows.reshape(-1, rows.shape[-1]).numpy())
-                value = torch.from_numpy(stored).reshape(rows.shape).transpose(1, 2)
-            parameter.copy_(value)
-    return model.eval()
+    def stored(name: str, value: torch.Tensor) -> torch.Tensor:
+        if expert_type is None or not name.endswith(("gate_up_proj", "down_proj")):
+            return value
+        rows = value.transpose(1, 2)  # [experts, outputs, inputs]
+        values = as_stored(expert_type, rows.reshape(-1, rows.shape[-1]).numpy())
+        return torch.from_numpy(values).reshape(rows.shape).transpose(1, 2)
+
+    return randomized(GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE)), seed, stored)
 
 
 def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16) -> Path:

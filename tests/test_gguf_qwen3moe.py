@@ -44,35 +44,38 @@ ROPE = {"rope_type": "default", "rope_theta": 1e6}
 ROUTING_TIE = 1e-3
 
 
-def routing_gaps(model, ids: list[int]) -> torch.Tensor:
+def routing_gaps(model, ids: list[int], by_logits: bool = False) -> torch.Tensor:
     """Per position, the smallest gap over the layers between the reference's k-th and
-    (k+1)-th expert probabilities."""
+    (k+1)-th expert probabilities (`by_logits`: logits, by which gpt-oss picks its experts)."""
     used = model.config.num_experts_per_tok
     with torch.inference_mode():
         out = model(torch.tensor([ids]), output_router_logits=True)
     gaps = []
     for logits in out.router_logits:
-        probs = torch.softmax(logits.float(), -1).sort(-1, descending=True).values
-        gaps.append(probs[:, used - 1] - probs[:, used])
+        scores = logits.float() if by_logits else torch.softmax(logits.float(), -1)
+        ordered = scores.sort(-1, descending=True).values
+        gaps.append(ordered[:, used - 1] - ordered[:, used])
     return torch.stack(gaps).min(0).values
 
 
-def check_moe_against_reference(target, model, prompt_seed: int) -> None:
+def check_moe_against_reference(target, model, prompt_seed: int, prompt_length: int = PROMPT,
+                                new: int = NEW, routing_tie: float = ROUTING_TIE,
+                                by_logits: bool = False) -> None:
     """dresd's greedy tokens and logits from the file against transformers' float32 model:
-    tokens agree, or part only after a near-tie of the reference's logits or routing; every
-    position's logits within 2% of the largest logit, except at routing near-ties (at most
-    one position in ten)."""
-    prompt = np.random.default_rng(prompt_seed).integers(0, VOCAB, PROMPT).tolist()
-    expected, logits, gaps = reference_greedy(model, prompt)
+    tokens agree, or part only after a near-tie of the reference's logits or routing
+    (`routing_gaps` below `routing_tie`); every position's logits within 2% of the largest
+    logit, except at routing near-ties (at most one position in ten)."""
+    prompt = np.random.default_rng(prompt_seed).integers(0, VOCAB, prompt_length).tolist()
+    expected, logits, gaps = reference_greedy(model, prompt, new)
     got = speculative_generate(target.model, NoDrafter(), torch.tensor(prompt),
-                               max_new_tokens=NEW).token_ids
-    routing = routing_gaps(model, prompt + expected)
+                               max_new_tokens=new).token_ids
+    routing = routing_gaps(model, prompt + expected, by_logits)
     agree = tokens_agreeing(got, expected)
-    assert agree == NEW or gaps[agree] < NEAR_TIE \
-        or routing[:PROMPT + agree].min() < ROUTING_TIE, (agree, gaps)
+    assert agree == new or gaps[agree] < NEAR_TIE \
+        or routing[:prompt_length + agree].min() < routing_tie, (agree, gaps)
     difference = (dresd_logits(target, prompt + expected) - logits).abs().max(-1).values
     off = difference > LOGIT_TOLERANCE * logits.abs().max()
-    assert bool((routing[off] < ROUTING_TIE).all()), (difference[off], routing[off])
+    assert bool((routing[off] < routing_tie).all()), (difference[off], routing[off])
     assert int(off.sum()) <= len(off) // 10
 
 
