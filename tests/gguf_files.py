@@ -870,10 +870,11 @@ def gpt_oss_model(seed: int = 0, expert_type: Q | None = None):
     return randomized(GptOssForCausalLM(GptOssConfig(**GPT_OSS_SHAPE)), seed, stored)
 
 
-def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16) -> Path:
+def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
+                                   embedding_type: Q = Q.BF16) -> Path:
     """A `gpt_oss_model` as the GGUF file llama.cpp's converter writes from its folder
-    (`conversion/gpt_oss.py`), its experts then quantized to `expert_type` as llama-quantize
-    would: TextModel's keys, the window, the expert count, used count and size, YaRN's factor,
+    (`conversion/gpt_oss.py`), its experts then quantized to `expert_type` and its embedding
+    and output head to `embedding_type` as llama-quantize would: TextModel's keys, the window, the expert count, used count and size, YaRN's factor,
     original context and betas; 2-D weights in BF16, norms, biases, sinks and the router in
     F32; each expert tensor transposed to [experts, outputs, inputs], gate_up's interleaved
     rows split into gate (even) and up (odd), their biases alike."""
@@ -908,8 +909,9 @@ def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16) -
         if weights.ndim == 1 or gguf_name.endswith("ffn_gate_inp.weight"):  # the router: F32,
             writer.add_tensor(gguf_name, weights.astype(np.float32))       # as the converter
         else:
-            data = gguf.quants.quantize(weights, Q.BF16)
-            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=Q.BF16)
+            qtype = embedding_type if name in TOP_TENSORS else Q.BF16
+            data = gguf.quants.quantize(weights, qtype)
+            writer.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=qtype)
     return _finish(writer, path)
 
 

@@ -33,6 +33,7 @@ from test_gguf_rope_scaling import (
 )
 
 from dresd.decoding.forward import LlamaForward, make_forward
+from dresd.errors import DresdError
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
 from dresd.kernels.experts import SWIGLU_CLAMPED, MoEDecoder, MoEMLP
@@ -72,7 +73,8 @@ def target(path):
 
 
 # The same shape with its experts in Q8_0 and in MXFP4, gpt-oss's own (the reference holds the
-# file's values)
+# file's values); the MXFP4 file's embedding and output head in Q8_0, as llama-quantize's
+# MXFP4_MOE writes them (its first parameter then an attention sink, float32)
 QUANTIZED_EXPERTS = {"q8": Q.Q8_0, "mxfp4": Q.MXFP4}
 
 
@@ -86,7 +88,8 @@ def quantized_models() -> dict:
 def quantized_targets(quantized_models, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("gpt_oss_quantized")
     return {name: load_target(str(convert_gpt_oss_like_llama_cpp(
-        quantized_models[name], folder / f"{name}.gguf", qtype)))
+        quantized_models[name], folder / f"{name}.gguf", qtype,
+        Q.Q8_0 if qtype == Q.MXFP4 else Q.BF16)))
         for name, qtype in QUANTIZED_EXPERTS.items()}
 
 
@@ -125,6 +128,7 @@ def test_gpt_oss_quantized_experts_match_their_reference(quantized_targets, quan
     does), each expert's blocks run as the file stores them."""
     mlp = quantized_targets[name].model.model.layers[0].mlp
     assert mlp.down[0].qtype == QUANTIZED_EXPERTS[name]
+    assert isinstance(make_forward(quantized_targets[name].model).c_decoder, MoEDecoder)
     check_against_reference(quantized_targets[name], quantized_models[name], 0)
 
 
@@ -249,3 +253,11 @@ def test_llama_cpps_own_converter_writes_the_same_file(model, path, tmp_path):
     for key in keys:
         field, ours = theirs.fields[key], mine.fields[key]
         assert np.array_equal(field.parts[field.data[0]], ours.parts[ours.data[0]]), key
+
+
+def test_gpt_oss_without_the_c_decoder_is_one_clear_error(target, monkeypatch):
+    """Where the C decoder does not build, a gpt-oss model has no other forward (its experts'
+    layers are the C kernel's): one error saying so, not transformers' forward failing."""
+    monkeypatch.setattr(MoEDecoder, "build", staticmethod(lambda *args: None))
+    with pytest.raises(DresdError, match="'gpt_oss' runs on dresd's C decoder only"):
+        make_forward(target.model)

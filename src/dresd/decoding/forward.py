@@ -89,7 +89,12 @@ from dresd.models.fastpath import INVARIANT_ATTENTION
 
 
 def _dtype_and_device(model: PreTrainedModel) -> tuple[torch.dtype, torch.device]:
-    parameter = next(model.parameters())
+    """The dtype the model computes in, and its device: its final norm's where it has one (a
+    gpt-oss file's first parameter is a float32 attention sink where its embedding is
+    quantized, and has none), else its first parameter's."""
+    parameter = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
+    if not isinstance(parameter, torch.Tensor):
+        parameter = next(model.parameters())
     return parameter.dtype, parameter.device
 
 
@@ -547,6 +552,11 @@ def make_forward(model: PreTrainedModel) -> Forward:
         forward = LlamaForward(model)
         if forward.c_decoder is not None:
             return forward
+        if is_moe(forward.decoder):  # gpt-oss: its experts' layers have no other forward
+            raise DresdError(
+                f"model type {model.config.model_type!r} runs on dresd's C decoder only, which "
+                "does not take it here (DRESD_CPU_DECODER=0, or kernels this CPU or compiler "
+                "cannot build: `dresd --version` says which)")
     if GatedDeltaNetForward.takes(model):
         return GatedDeltaNetForward(model)
     if has_recurrent_layers(model):
