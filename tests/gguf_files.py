@@ -874,10 +874,11 @@ def convert_gpt_oss_like_llama_cpp(model, path: Path, expert_type: Q = Q.BF16,
                                    embedding_type: Q = Q.BF16) -> Path:
     """A `gpt_oss_model` as the GGUF file llama.cpp's converter writes from its folder
     (`conversion/gpt_oss.py`), its experts then quantized to `expert_type` and its embedding
-    and output head to `embedding_type` as llama-quantize would: TextModel's keys, the window, the expert count, used count and size, YaRN's factor,
-    original context and betas; 2-D weights in BF16, norms, biases, sinks and the router in
-    F32; each expert tensor transposed to [experts, outputs, inputs], gate_up's interleaved
-    rows split into gate (even) and up (odd), their biases alike."""
+    and output head to `embedding_type` as llama-quantize would: TextModel's keys, the window,
+    the expert count, used count and size, YaRN's factor, original context and betas; 2-D
+    weights in BF16, norms, biases, sinks and the router in F32; each expert tensor transposed
+    to [experts, outputs, inputs], gate_up's interleaved rows split into gate (even) and up
+    (odd), their biases alike."""
     config = model.config
     arch = "gpt-oss"
     writer = gguf.GGUFWriter(str(path), arch)
