@@ -37,7 +37,8 @@ from dresd.errors import DresdError
 from dresd.kernels import attention as cpu_attention
 from dresd.kernels import quant
 from dresd.kernels.experts import SWIGLU_CLAMPED, MoEDecoder, MoEMLP
-from dresd.models.gguf_file import describe, open_gguf
+from dresd.models import gguf as gguf_model
+from dresd.models.gguf_file import Field, describe, open_gguf
 from dresd.models.target import load_target
 
 pytestmark = pytest.mark.skipif(quant.kernel() is None,
@@ -261,3 +262,16 @@ def test_gpt_oss_without_the_c_decoder_is_one_clear_error(target, monkeypatch):
     monkeypatch.setattr(MoEDecoder, "build", staticmethod(lambda *args: None))
     with pytest.raises(DresdError, match="'gpt_oss' runs on dresd's C decoder only"):
         make_forward(target.model)
+
+
+def test_gpt_oss_generation_ends_at_return_and_call_not_at_end(path):
+    """The harmony format's answer ends at <|return|> (or <|call|>, a tool call), as llama.cpp
+    ends it; <|end|> ends one message of several and is not an end here."""
+    reader = open_gguf(path)
+    stored = reader.fields["tokenizer.ggml.tokens"].value
+    tokens = stored.read()
+    eos = reader.fields["tokenizer.ggml.eos_token_id"].value
+    for index, text in ((100, "<|return|>"), (101, "<|call|>"), (102, "<|end|>")):
+        tokens[index] = text
+    reader.fields["tokenizer.ggml.tokens"] = Field(tokens)
+    assert gguf_model.gpt_oss_config(reader, path).eos_token_id == [eos, 100, 101]

@@ -741,10 +741,12 @@ def gpt_oss_config(reader: GGUFFile, path: Path) -> GptOssConfig:
     `expert_feed_forward_length`, `expert_used_count` of `expert_count` per token; a window of
     `attention.sliding_window` on the even layers (llama.cpp's pattern of 2, transformers'
     default `layer_types`); the clamped SwiGLU's alpha 1.702 and limit 7 (llama.cpp's and
-    transformers' constants: the file holds none). Its YaRN as `file_rope_parameters` reads
-    it, with the correction range not truncated: gpt-oss's own rope (transformers' and
-    OpenAI's; llama.cpp rounds the range to whole dimensions, a small difference in every
-    frequency between the two)."""
+    transformers' constants: the file holds none); generation ending at the harmony format's
+    `<|return|>` and `<|call|>` as well as the end of sequence, not at `<|end|>` (which ends a
+    message, not the answer: llama.cpp's end-of-generation tokens for this vocabulary). Its
+    YaRN as `file_rope_parameters` reads it, with the correction range not truncated:
+    gpt-oss's own rope (transformers' and OpenAI's; llama.cpp rounds the range to whole
+    dimensions, a small difference in every frequency between the two)."""
     key = "gpt-oss.{}".format
     hidden = metadata_size(reader, path, key("embedding_length"))
     heads = metadata_size(reader, path, key("attention.head_count"))
@@ -770,7 +772,7 @@ def gpt_oss_config(reader: GGUFFile, path: Path) -> GptOssConfig:
         max_position_embeddings=int(metadata_number(reader, path, key("context_length"), 4096)),
         rope_parameters=rope, attention_bias=True,
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        eos_token_id=end_of_generation(reader))
+        eos_token_id=end_of_generation(reader, "<|return|>", "<|call|>"))
 
 
 # Architectures whose transformers config dresd reads from the metadata itself (cheap, so never
