@@ -12,9 +12,16 @@ STAMP  := $(VENV)/.installed
 # cores): DReSD's setting, a store of the target's own outputs on the workload. Then AR, PLD,
 # suffix, REST, DReSD and hybrid side by side on the first GSM8K test questions, DReSD at its
 # default (the step budget), at the paper's shape (budget=0) and at the 4-node tree
-# (benchmarks/results/fast_path), in the dtype --dtype auto picks. Then the default model's own
+# (benchmarks/results/fast_path), in bf16 (BENCH_DTYPE). Then the default model's own
 # Q4_1 GGUF file, its quantized weights run natively, with a store of its own answers (another
 # model: its hidden states and answers are its own): AR, PLD, suffix, DReSD and hybrid.
+# The benches in bf16: what --dtype auto picks on a CPU that multiplies bf16 natively; on one
+# that does not, dresd's C decoder still decodes bf16 (its AVX2 and NEON tiers): on an
+# AVX2-only AMD EPYC 4.6x float32's speed (`dresd generate`, the default model, 1 thread: 30.2
+# against 6.6 tokens/s, side by side). The corpus and the stores in auto's dtype: there,
+# batched regeneration in bf16 took 15 s a prompt against float32's 2. `make demo
+# BENCH_DTYPE=auto` for auto's choice.
+BENCH_DTYPE ?= bfloat16
 DATA       ?= ../shared/data
 DEMO_OUT   := runs/demo
 DEMO_STORE := runs/demo-gsm8k-id-store
@@ -51,10 +58,10 @@ $(DEMO_GGUF_STORE)/manifest.json: runs/demo-gsm8k-id-gguf.jsonl
 demo: model $(DEMO_STORE)/manifest.json $(DEMO_GGUF_STORE)/manifest.json
 	$(BIN)/dresd bench --methods 'ar,pld,suffix,rest[max_tree_nodes=4],dresd,dresd[budget=0],dresd[max_tree_nodes=4],hybrid' \
 		--datastore $(DEMO_STORE) --dataset gsm8k \
-		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)
+		--limit 6 --max-new-tokens 128 --threads 1 --dtype $(BENCH_DTYPE) --out $(DEMO_OUT)
 	$(BIN)/dresd bench --model default-gguf --methods 'ar,pld,suffix,dresd,hybrid' \
 		--datastore $(DEMO_GGUF_STORE) --dataset gsm8k \
-		--limit 6 --max-new-tokens 128 --threads 1 --out $(DEMO_OUT)-gguf
+		--limit 6 --max-new-tokens 128 --threads 1 --dtype $(BENCH_DTYPE) --out $(DEMO_OUT)-gguf
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
