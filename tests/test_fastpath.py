@@ -10,7 +10,13 @@ import torch
 from dresd.decoding.verify import classify_divergence, near_tie_tolerance
 from dresd.fingerprint import model_fingerprint
 from dresd.host import cpu_flags, cpu_model
-from dresd.models.fastpath import PackedLinear, prepack_linears, resolve_dtype
+from dresd.models.fastpath import (
+    PackedLinear,
+    can_prepack,
+    onednn_packs,
+    prepack_linears,
+    resolve_dtype,
+)
 from dresd.models.target import load_target
 from dresd.prompts import encode_prompt
 from dresd.runner import AR, GenerationSettings, MethodRunner
@@ -37,8 +43,14 @@ def test_cpu_flags_and_auto_dtype(tmp_path, monkeypatch):
         resolve_dtype("fp8")
 
 
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not onednn_packs(torch.bfloat16),
+    reason="oneDNN packs no bf16 weight on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
+
+
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_packed_linear_computes_the_same_linear(dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 200, bias=True).to(dtype)
@@ -48,7 +60,7 @@ def test_packed_linear_computes_the_same_linear(dtype):
     torch.testing.assert_close(packed(x), linear(x), rtol=tolerance, atol=tolerance)
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_packed_linear_rows_do_not_depend_on_the_batch():
     """A decode step's row must be bit for bit the same row of any verify forward."""
     torch.manual_seed(0)
@@ -189,3 +201,13 @@ def test_invariant_attention_is_attention(kernel, monkeypatch):
         scores = (query.float() @ keys.transpose(-1, -2) / 8).masked_fill(~visible, -torch.inf)
         expected = (scores.softmax(-1) @ values).transpose(1, 2)
         torch.testing.assert_close(ours.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_onednn
+def test_a_bf16_model_is_prepacked_only_where_onednn_packs_bf16():
+    """On an AVX2-only CPU oneDNN refuses to pack bf16 weights (a RuntimeError at load): such a
+    model keeps PyTorch's linears there, and float32 is packed on every CPU."""
+    assert onednn_packs(torch.float32)
+    assert can_prepack(tiny_model().to(torch.bfloat16)) == onednn_packs(torch.bfloat16)
+    assert prepack_linears(tiny_model().to(torch.bfloat16)) == (
+        15 if onednn_packs(torch.bfloat16) else 0)

@@ -25,6 +25,8 @@ output equals plain decoding in the same dtype; `decoding/verify.py` states the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -95,10 +97,23 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_prepack(model: torch.nn.Module) -> bool:
-    """Whether `prepack_linears` applies: a CPU model in fp32 or bf16, with oneDNN built in."""
+    """Whether `prepack_linears` applies: a CPU model in fp32 or bf16, with oneDNN built in and
+    able to pack that dtype here."""
     parameter = next(model.parameters())
     return (parameter.device.type == "cpu" and parameter.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available() and onednn_packs(parameter.dtype))
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a linear weight of `dtype` on this CPU: its bf16 path needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU has not (a RuntimeError
+    there, where a bf16 model would then stay on PyTorch's own linears)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
