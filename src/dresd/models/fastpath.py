@@ -106,13 +106,12 @@ def can_prepack(model: torch.nn.Module) -> bool:
 
 @functools.cache
 def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN reorders a linear weight of `dtype` on this CPU: its bf16 path needs
-    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU has not (a RuntimeError
-    there, where a bf16 model would then stay on PyTorch's own linears)."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
-    except RuntimeError:
-        return False
+    """Whether oneDNN reorders a linear weight of `dtype` on this CPU: float32 everywhere; bf16
+    where torch's own check says so (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT; Arm's bf16). An
+    AVX2-only CPU has neither: the reorder raises there, and a bf16 model keeps PyTorch's own
+    linears. (Asked, not tried: a C++ exception aborts a process under AddressSanitizer.)"""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return True
 
 
