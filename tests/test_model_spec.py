@@ -70,7 +70,7 @@ def test_the_forwards_take_the_spec_model_types() -> None:
     c_decoder = {t for a in spec.ARCHITECTURES if a.forward == spec.C_DECODER
                  for t in a.model_types}
     assert set(LlamaForward.ARCHITECTURES) | set(LlamaForward.C_DECODER_ONLY) == c_decoder
-    assert set(LlamaForward.C_DECODER_ONLY) == {"gemma3_text"}
+    assert set(LlamaForward.C_DECODER_ONLY) == {"gemma3_text", "gpt_oss"}
     assert set(RECURRENT_MODEL_TYPES) == {"qwen3_5_text", "qwen3_5_moe_text"}
     assert len(spec.BY_GGUF) == len(spec.ARCHITECTURES)  # one spec a GGUF name
     assert len(spec.BY_MODEL_TYPE) == sum(len(a.model_types) for a in spec.ARCHITECTURES)

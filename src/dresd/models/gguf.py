@@ -728,7 +728,8 @@ def shared_expert_moe(shared_expert: torch.nn.Module, tensors: _Tensors, blk: st
     (`shared_expert`, built on the meta device) given the file's projections."""
     fill_gated_mlp(shared_expert, tensors, blk, "_shexp")
     gate = tensors.floats(blk + "ffn_gate_inp_shexp.weight").reshape(-1)
-    return SharedExpertMoE(tensors.experts(blk, used, norm=True), shared_expert, gate)
+    return SharedExpertMoE(tensors.experts(blk, used, True, spec.QWEN35_MOE), shared_expert,
+                           gate)
 
 
 def _float32(values: torch.Tensor) -> torch.nn.Parameter:
