@@ -176,7 +176,8 @@ def test_a_mistral_folder_with_a_window_runs_on_the_c_decoder(tmp_path):
 
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(**HF_SHAPE, sliding_window=PHI3_WINDOW))
-    target = load_target(str(save_transformers_folder(model, tmp_path / "mistral")))
+    target = load_target(str(save_transformers_folder(model, tmp_path / "mistral")),
+                         dtype="bfloat16")
     forward = make_forward(target.model)
     assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
     assert forward.window == PHI3_WINDOW
@@ -191,7 +192,8 @@ def test_a_phi3_folder_runs_as_its_file_does(models, arch, tmp_path):
     """A transformers folder takes the same path: its fused weights split by rows into
     Mistral's modules, on the C decoder, the window on every layer; the reference's logits
     and tokens, every method `ar`'s."""
-    target = load_target(str(save_transformers_folder(models[arch], tmp_path / arch)))
+    target = load_target(str(save_transformers_folder(models[arch], tmp_path / arch)),
+                         dtype="bfloat16")
     assert type(target.model).__name__ == "MistralForCausalLM"
     forward = make_forward(target.model)
     assert isinstance(forward, LlamaForward) and forward.c_decoder is not None

@@ -56,7 +56,8 @@ def path(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def targets(model, path, tmp_path_factory) -> dict:
     folder = save_transformers_folder(model, tmp_path_factory.mktemp("longrope") / "folder")
-    return {"file": load_target(str(path)), "folder": load_target(str(folder))}
+    return {"file": load_target(str(path)),
+            "folder": load_target(str(folder), dtype="bfloat16")}
 
 
 def reference_decoding(model, prompt: list[int], new: int = NEW

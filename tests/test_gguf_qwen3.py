@@ -93,7 +93,8 @@ def test_qwen3_every_method_is_plain_decoding_and_batched_is_alone(target):
 
 def test_qwen3_transformers_folder_runs_on_the_c_decoder(model, tmp_path):
     """A bf16 Qwen3 folder: the batched C decoder, the bits of transformers' own forward."""
-    target = load_target(str(save_transformers_folder(model, tmp_path / "folder")))
+    target = load_target(str(save_transformers_folder(model, tmp_path / "folder")),
+                         dtype="bfloat16")
     forward = make_forward(target.model)
     assert isinstance(forward, LlamaForward) and forward.c_decoder is not None
     ids = np.random.default_rng(2).integers(0, VOCAB, 50).tolist()
