@@ -116,6 +116,11 @@ static void route_row(const Experts *e, const float *router, const float *router
     }
 }
 
+/* Each lane: yes where the mask's lane is set, else no. */
+static inline vec where(ivec mask, vec yes, vec no) {
+    return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask));
+}
+
 /* act = bf16(bf16(up' + 1) * bf16(gate' sigmoid(alpha gate'))), gate' = min(gate, limit),
  * up' = up clamped to [-limit, limit]: gpt-oss's clamped SwiGLU (transformers'
  * GptOssExperts._apply_gate; alpha 1.702, limit 7). n a multiple of 16. */
@@ -124,9 +129,9 @@ static void swiglu_times(const uint16_t *gate, const uint16_t *up, int n, float 
     vec high = splat(limit), low = splat(-limit), one = splat(1.0f);
     for (int i = 0; i < n; i += LANES) {
         vec g = load_bf16(gate + i), u = load_bf16(up + i);
-        g = (vec)(((ivec)g & vec_lt(g, high)) | ((ivec)high & ~vec_lt(g, high)));
-        u = (vec)(((ivec)u & vec_lt(u, high)) | ((ivec)high & ~vec_lt(u, high)));
-        u = (vec)(((ivec)u & vec_ge(u, low)) | ((ivec)low & ~vec_ge(u, low)));
+        g = where(vec_lt(g, high), g, high);
+        u = where(vec_lt(u, high), u, high);
+        u = where(vec_ge(u, low), u, low);
         vec glu = rounded(times_sigmoid(g, rounded(g * splat(alpha))));
         store_bf16(act + i, rounded(u + one) * glu);
     }
