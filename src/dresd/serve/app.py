@@ -43,6 +43,7 @@ from dresd.serve.engine import (
     request_settings,
     tenant_salt,
 )
+from dresd.serve.harmony import HarmonyParser, is_harmony
 from dresd.serve.limits import BodyLimit, default_body_limit
 from dresd.serve.metrics import ServerMetrics
 from dresd.serve.reasoning import THINK_END, THINK_START, ReasoningParser, prompt_opens_think
@@ -271,12 +272,15 @@ def create_app(engine: Engine, model_name: str, model_aliases: tuple[str, ...] =
 
 
 def chat_parsers(body: protocol.GenerationFields, tokenizer: PreTrainedTokenizerBase,
-                 prompt_ids: list[int]) -> Callable[[], ChatParsers] | None:
+                 prompt_ids: list[int]) -> Callable[[], ChatParsers | HarmonyParser] | None:
     """What makes each chat choice's parsers (chat_output.py): the think block split off for
-    a model that thinks, tool calls parsed for a request with tools; None: the text as it is."""
+    a model that thinks, tool calls parsed for a request with tools, gpt-oss's harmony
+    messages split into both (harmony.py); None: the text as it is."""
     if not isinstance(body, protocol.ChatCompletionRequest):
         return None
     tools = body.tools if body.tools and body.tool_choice != "none" else None
+    if is_harmony(tokenizer):
+        return lambda: HarmonyParser(tools)
     calls = select_tool_format(tokenizer, tools=tools) if tools else None
     think = think_tokens(tokenizer, prompt_ids)
     if not (calls or think):
@@ -301,7 +305,8 @@ def tool_choice_grammar(body: protocol.ChatCompletionRequest,
     "auto" and "none"."""
     if not body.tools or body.tool_choice in (None, "auto", "none"):
         return None
-    if not isinstance(select_tool_format(tokenizer, tools=body.tools), HermesFormat):
+    if is_harmony(tokenizer) or not isinstance(select_tool_format(tokenizer, tools=body.tools),
+                                               HermesFormat):
         raise RequestError("tool_choice \"required\" or a named function is enforced by a "
                            "grammar for models that write Hermes-style <tool_call> blocks; "
                            "this model writes another format: use \"auto\"",
@@ -418,7 +423,8 @@ class Generation:
     def __init__(self, job: Job, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  request: Request, metrics: ServerMetrics, arrived: float,
                  index: int = 0, alive: Callable[[], bool] = lambda: True,
-                 parsers: ChatParsers | None = None, echo: Echo | None = None) -> None:
+                 parsers: ChatParsers | HarmonyParser | None = None,
+                 echo: Echo | None = None) -> None:
         self.job = job
         self.echo = echo  # the prompt to give back before the completion (completions' echo)
         self.parsers = parsers  # a chat choice's reasoning and tool call parsers, if any

@@ -37,7 +37,7 @@ def prompt_opens_think(prompt: str, start: str = THINK_START, end: str = THINK_E
     return opened >= 0 and prompt.find(end, opened) < 0
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """How many characters at text's end could begin tag."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -99,7 +99,7 @@ class ReasoningParser:
                     self._whitespace = ""  # the reasoning's trailing whitespace
                     self._state, self._strip_next = "content", True
                     continue
-                held = 0 if final else _partial(self._buffer, self.end)
+                held = 0 if final else partial_tag(self._buffer, self.end)
                 self._reasoning(self._buffer[:len(self._buffer) - held], out)
                 self._buffer = self._buffer[len(self._buffer) - held:]
                 return
