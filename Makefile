@@ -18,9 +18,11 @@ STAMP  := $(VENV)/.installed
 # The benches in bf16: what --dtype auto picks on a CPU that multiplies bf16 natively; on one
 # that does not, dresd's C decoder still decodes bf16 (its AVX2 and NEON tiers): on an
 # AVX2-only AMD EPYC 4.6x float32's speed (`dresd generate`, the default model, 1 thread: 30.2
-# against 6.6 tokens/s, side by side). The corpus and the stores in auto's dtype: there,
-# batched regeneration in bf16 took 15 s a prompt against float32's 2. `make demo
-# BENCH_DTYPE=auto` for auto's choice.
+# against 6.6 tokens/s, side by side). The default model's corpus is regenerated in the same
+# dtype (its own answers in the dtype it is benched in; there, batches of 16 in bf16 took 1.7 s
+# a prompt against float32's 2.5, 2 threads); the stores are built in auto's dtype (the
+# build's long padded forwards: float32 there, 41 s against bf16's 56 for 32 answers).
+# `make demo BENCH_DTYPE=auto` for auto's choice throughout.
 BENCH_DTYPE ?= bfloat16
 DATA       ?= ../shared/data
 DEMO_OUT   := runs/demo
@@ -44,7 +46,7 @@ model: $(STAMP)
 	$(BIN)/dresd fetch-model
 
 runs/demo-gsm8k-id.jsonl: | model
-	$(BIN)/dresd $(REGENERATE) --model default --out $@.part && mv $@.part $@
+	$(BIN)/dresd $(REGENERATE) --model default --dtype $(BENCH_DTYPE) --out $@.part && mv $@.part $@
 
 runs/demo-gsm8k-id-gguf.jsonl: | model
 	$(BIN)/dresd $(REGENERATE) --model default-gguf --out $@.part && mv $@.part $@
@@ -66,16 +68,22 @@ demo: model $(DEMO_STORE)/manifest.json $(DEMO_GGUF_STORE)/manifest.json
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
-# The whole suite but the heavy reliability runs (`pytest -m slow`); docs/testing.md.
+# The whole suite but the heavy reliability runs (`pytest -m slow`); docs/testing.md. In
+# TEST_WORKERS processes (pytest-xdist; each test module in one of them, its fixtures built
+# once): the tests run one PyTorch thread each, so two workers use both of a 2-core machine
+# (an AVX2-only EPYC: 24 minutes against 42 in one process). At most 4 by default: each
+# worker holds its own models.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: model lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # The edit loop: unit tests and tiny models. Deselects every test that loads the default model
 # in this process, starts a server or Ray, or runs a child process (markers that tests/conftest.py
 # sets), and says how many. The tiny models borrow the default model's tokenizer, hence `model`.
 FAST := not slow and not default_model and not server and not ray and not subprocess
 test-fast: model lint
-	$(BIN)/python -m pytest -q -m '$(FAST)'
+	$(BIN)/python -m pytest -q $(XDIST) -m '$(FAST)'
 
 # The aarch64 kernel tiers (neon, neoni8mm) under qemu-aarch64 (tests/kernels_c/harness.py):
 # installs the cross compiler and qemu-user where they are missing and apt-get can (as root),

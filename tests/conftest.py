@@ -141,6 +141,7 @@ def pytest_configure(config) -> None:
 
 _collected: list = []
 _deselected: list = []
+_from_workers: list[str] = []  # xdist: the workers' deselection line, for the controller
 _exit_status: list[int] = []  # the session's, for the hard exit at the end
 
 
@@ -156,6 +157,20 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_deselected(items) -> None:
     _deselected.extend(items)
+
+
+def pytest_collection_finish(session) -> None:
+    """An xdist worker (`make test` runs two) hands its deselection to the controller, which
+    collects nothing itself and reports it (`pytest_testnodedown`)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["deselected"] = _deselection_line()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: called in the controller
+def pytest_testnodedown(node, error) -> None:
+    line = getattr(node, "workeroutput", {}).get("deselected")
+    if line and not _from_workers:  # every worker collects the same tests
+        _from_workers.append(line)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -183,13 +198,19 @@ def pytest_unconfigure(config) -> None:
 
 def _report_deselected(config) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if not _deselected or reporter is None:
-        return
+    line = _deselection_line() or next(iter(_from_workers), "")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
+def _deselection_line() -> str:
+    """How many tests this process's collection left out, and why; "" for none."""
+    if not _deselected:
+        return ""
     why = Counter()
     for item in _deselected:
         marks = {mark.name for mark in item.iter_markers()}
         why[next((m for m in ["slow", "ray", "server", "subprocess", "default_model"]
                   if m in marks), "unmarked")] += 1
-    reporter.write_line(
-        f"deselected {len(_deselected)} of {len(_collected)} tests (by first marker: "
-        + ", ".join(f"{name} {count}" for name, count in why.most_common()) + ")")
+    return (f"deselected {len(_deselected)} of {len(_collected)} tests (by first marker: "
+            + ", ".join(f"{name} {count}" for name, count in why.most_common()) + ")")
