@@ -73,7 +73,7 @@ class HarmonyParser:
         self._buffer = ""  # text not yet decided
         self._kind: str | None = None  # the open body's: "reasoning", "content" or "call"
         self._name = ""  # the open call's function
-        self._header = ""  # the open call's header, given back with its body if no call
+        self._header = ""  # the open message's header where its body may come back as written
         self._headers = 0  # headers closed so far
 
     @property
