@@ -42,6 +42,10 @@ CASES = [
                  ('<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>'
                   '{"city": "Par', "The user wants Paris's weather.", []), id="cut-call"),
     pytest.param(THINK + NEXT + '<|channel|>commentary to=functions.get_weather<|message|>'
+                 '{"city": NaN}<|call|>', [WEATHER],
+                 ('<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>'
+                  '{"city": NaN}', "The user wants Paris's weather.", []), id="nan-is-no-json"),
+    pytest.param(THINK + NEXT + '<|channel|>commentary to=functions.get_weather<|message|>'
                  '{"city": "Paris"}<|call|>', None,
                  ('<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>'
                   '{"city": "Paris"}', "The user wants Paris's weather.", []), id="no-tools"),

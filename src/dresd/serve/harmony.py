@@ -32,13 +32,12 @@ comes out whole at its end, as `tool_calls.ToolCallStream` gives calls.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from typing import Any
 
-from dresd.serve.reasoning import partial_tag
-from dresd.serve.tool_calls import new_call_id
+from dresd.serve.reasoning import merge_text_deltas, partial_tag
+from dresd.serve.tool_calls import is_json_value, new_call_id
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")  # a body's ends: another message, a call, the answer
@@ -90,14 +89,14 @@ class HarmonyParser:
         self._buffer += text
         out: list[dict] = []
         self._advance(out, final=False)
-        return _merge_text(out)
+        return merge_text_deltas(out)
 
     def finish(self) -> list[dict]:
         """The end of the output: an open body ends here; an open header is dropped (or, where
         no header came at all, the text is content as written)."""
         out: list[dict] = []
         self._advance(out, final=True)
-        return _merge_text(out)
+        return merge_text_deltas(out)
 
     def _advance(self, out: list[dict], final: bool) -> None:
         while True:
@@ -152,7 +151,7 @@ class HarmonyParser:
             if not closed:
                 return
             arguments = text.strip()
-            if _is_json(arguments):
+            if is_json_value(arguments):
                 index, self.calls = self.calls, self.calls + 1
                 out.append({"tool_calls": [{"index": index, "id": self.call_id(),
                                             "type": "function",
@@ -169,23 +168,3 @@ class HarmonyParser:
         if closed:
             self._kind, self._name, self._header = None, "", ""
 
-
-def _merge_text(deltas: list[dict]) -> list[dict]:
-    """Adjacent deltas of the same text field as one (a piece may release held text and new
-    text); tool call deltas as they are."""
-    merged: list[dict] = []
-    for delta in deltas:
-        (key, value), = delta.items()
-        if merged and key != "tool_calls" and key in merged[-1]:
-            merged[-1] = {key: merged[-1][key] + value}
-        else:
-            merged.append(delta)
-    return merged
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True

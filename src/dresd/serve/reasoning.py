@@ -67,14 +67,14 @@ class ReasoningParser:
         self._buffer += text
         out: list[dict] = []
         self._advance(out, final=False)
-        return _merge(out)
+        return merge_text_deltas(out)
 
     def finish(self) -> list[dict]:
         """The end of the output: what was held back is decided (an unclosed block's text is
         reasoning; its trailing whitespace is dropped)."""
         out: list[dict] = []
         self._advance(out, final=True)
-        return _merge(out)
+        return merge_text_deltas(out)
 
     def _advance(self, out: list[dict], final: bool) -> None:
         while True:
@@ -122,12 +122,15 @@ class ReasoningParser:
             out.append({"reasoning_content": kept})
 
 
-def _merge(deltas: list[dict]) -> list[dict]:
+def merge_text_deltas(deltas: list[dict]) -> list[dict]:
+    """Adjacent deltas of the same text field (`content`, `reasoning_content`) as one, as a
+    piece may release held text and new text; tool call deltas as they are. The chat parsers'
+    (this one, `tool_calls.ToolCallStream`, `harmony.HarmonyParser`) deltas have one field each."""
     merged: list[dict] = []
     for delta in deltas:
-        if merged and merged[-1].keys() == delta.keys():
-            key = next(iter(delta))
-            merged[-1] = {key: merged[-1][key] + delta[key]}
+        (key, value), = delta.items()
+        if merged and key != "tool_calls" and key in merged[-1]:
+            merged[-1] = {key: merged[-1][key] + value}
         else:
             merged.append(delta)
     return merged

@@ -62,6 +62,7 @@ import jinja2.sandbox
 
 from dresd.decoding.constraint import JSON_LAYOUT
 from dresd.serve.engine import RequestError
+from dresd.serve.reasoning import merge_text_deltas
 
 # --- the request's fields --------------------------------------------------------------------
 
@@ -401,6 +402,12 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
         values.append(value)
 
 
+def is_json_value(text: str) -> bool:
+    """Whether text is one JSON value (whitespace around it allowed; NaN and Infinity not)."""
+    values = _json_values(text)
+    return values is not None and len(values) == 1
+
+
 def _json_calls(text: str, separators: str = "") -> list[ParsedCall] | None:
     """Calls from JSON text: objects (a list of them is flattened), each a call, or None."""
     values = _json_values(text, separators)
@@ -719,7 +726,7 @@ class ToolCallStream:
         self._buffer += text
         out: list[dict] = []
         self._advance(out, final=False)
-        return _merge_content(out)
+        return merge_text_deltas(out)
 
     def finish(self) -> list[dict]:
         """The end of the output: what was held back is decided (an open region is a call if
@@ -729,7 +736,7 @@ class ToolCallStream:
         if self._whitespace and not self._after_call:
             out.append({"content": self._whitespace})
             self._whitespace = ""
-        return _merge_content(out)
+        return merge_text_deltas(out)
 
     def _advance(self, out: list[dict], final: bool) -> None:
         fmt = self.fmt
@@ -794,17 +801,6 @@ class ToolCallStream:
         if kept:
             out.append({"content": kept})
             self._content_seen, self._after_call = True, False
-
-
-def _merge_content(deltas: list[dict]) -> list[dict]:
-    """Adjacent content deltas as one (a piece may release held text and new text)."""
-    merged: list[dict] = []
-    for delta in deltas:
-        if merged and "content" in delta and "content" in merged[-1]:
-            merged[-1] = {"content": merged[-1]["content"] + delta["content"]}
-        else:
-            merged.append(delta)
-    return merged
 
 
 def join_deltas(deltas: Iterable[dict]) -> tuple[str | None, list[dict]]:
